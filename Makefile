@@ -1,0 +1,39 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# VENV may point at an existing environment (e.g. one with your own CUDA torch):
+# torch is only installed when it is not importable there.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+EXTRAS ?= dev,tasks
+STAMP := $(VENV)/.sao-installed
+
+.PHONY: install demo test lint typecheck bench clean
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install -q --upgrade pip 2>/dev/null || true
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[$(EXTRAS)]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: install
+	$(VENV)/bin/sao demo
+
+lint: install
+	$(VENV)/bin/ruff check sao tests benchmarks
+	$(VENV)/bin/ruff format --check sao tests benchmarks
+
+typecheck: install
+	$(VENV)/bin/mypy sao/algo sao/types.py
+
+test: lint typecheck
+	$(VENV)/bin/pytest
+
+bench: install
+	$(PY) benchmarks/algo.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
