@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
 import torch
@@ -259,11 +259,10 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """A copy with every tensor moved to ``device``."""
-        moved = {
-            k: (v.to(device) if isinstance(v, torch.Tensor) else v)
-            for k, v in self.__dict__.items()
+        changes: dict[str, object] = {
+            k: v.to(device) for k, v in vars(self).items() if isinstance(v, torch.Tensor)
         }
-        return Batch(**moved)
+        return replace(self, **changes)  # type: ignore[arg-type]
 
 
 def collate(trajectories: Sequence[Trajectory], *, pad_id: int = 0) -> Batch:

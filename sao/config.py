@@ -1,0 +1,357 @@
+"""The typed configuration of ``sao train``: one pydantic model, every field
+documented by the string under it, unknown keys rejected with the closest
+valid key suggested.
+
+Sources, later ones winning: a named preset (``calc-tiny`` by default), a
+TOML or YAML file, then ``--set a.b=c`` overrides. The resolved config is
+written to the run directory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from collections.abc import Mapping, Sequence
+from dataclasses import fields as dc_fields
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+
+from sao.algo.presets import AlgoPreset, Correction, Reduction, Truncation, get_preset
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+
+class ConfigError(ValueError):
+    """A configuration mistake the user can fix; the message says how."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+class ModelConfig(_Section):
+    """Which policy (and critic) to train."""
+
+    path: str | None = None
+    """Local Hugging Face checkpoint directory of the policy. None: build (or reuse from
+    the cache) the task's tiny warm-started policy."""
+    critic_path: str | None = None
+    """Checkpoint the critic starts from; None: the policy checkpoint (paper)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Training and rollout dtype."""
+    tiny_size: str = "1m"
+    """Size of the tiny policy built when ``path`` is None (0.1m, 0.5m, 1m, 2m, 5m)."""
+
+
+class TaskConfig(_Section):
+    """What the policy acts in."""
+
+    name: str = "calculator"
+    """Built-in task (calculator, guess_number, style_shift, python_tool, reasoning_gym,
+    dataset)."""
+    options: dict[str, Any] = {}
+    """Keyword options of the task's constructor (see docs/environments.md)."""
+    latency: Literal["none", "constant", "exponential", "lognormal"] = "none"
+    """Add simulated tool latency to every environment step (benchmarks)."""
+    latency_median_s: float = 0.05
+    """Median of the simulated latency, seconds."""
+    latency_sigma: float = 1.0
+    """Log-space spread of the lognormal latency (heavy tail)."""
+
+
+class AlgoConfig(_Section):
+    """An algorithm preset plus field overrides; ``algo = "grpo"`` is shorthand for
+    ``algo.preset = "grpo"``."""
+
+    preset: str = "sao"
+    """Algorithm preset: sao, grpo, grpo_dis, sao_dis_only, vapo, running_mean, step_average,
+    step_last_token, dapo, dr_grpo, gspo, cispo, rloo, reinforce_pp, ppo."""
+    eps_low: float | None = None
+    """Override: lower band / clip width."""
+    eps_high: float | None = None
+    """Override: upper band / clip width."""
+    reduction: Reduction | None = None
+    """Override: loss aggregation."""
+    correction: Correction | None = None
+    """Override: train/inference mismatch correction of PPO-family losses."""
+    group_size: int | None = None
+    """Override: rollouts per prompt."""
+    critic_steps: int | None = None
+    """Override: K critic optimizer steps per actor step."""
+    freeze_critic_attention: bool | None = None
+    """Override: freeze the critic's attention parameters."""
+    critic_pretrain_steps: int | None = None
+    """Override: critic-only warm-up steps before RL."""
+    lam_actor: float | None = None
+    """Override: fixed actor lambda (default: length-adaptive)."""
+    lam_alpha: float | None = None
+    """Override: alpha of the length-adaptive lambda."""
+    truncation: Truncation | None = None
+    """Override: how length-truncated episodes are treated."""
+    whiten_advantages: bool | None = None
+    """Override: normalise advantages over the batch."""
+    running_mean_window: int | None = None
+    """Override: running-mean baseline window."""
+    running_mean_per_prompt: bool | None = None
+    """Override: running mean per prompt (False: one global window)."""
+    advantages_after_critic_update: bool | None = None
+    """Override: use the critic after this step's update for actor advantages."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: object) -> object:
+        return {"preset": data} if isinstance(data, str) else data
+
+    def resolve(self) -> AlgoPreset:
+        """The preset with every non-None override applied (validated)."""
+        changes = {k: v for k, v in self if k != "preset" and v is not None}
+        try:
+            return get_preset(self.preset).with_(**changes)
+        except ValueError as e:
+            raise ConfigError(f"algo: {e}") from None
+
+
+class RolloutConfig(_Section):
+    """How episodes are generated."""
+
+    in_flight: int = 32
+    """Episodes kept running concurrently by the rollout workers."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer applies the same)."""
+    top_p: float = 1.0
+    """Nucleus sampling; < 1 makes the trainer's log-probs differ from the engine's."""
+    top_k: int = 0
+    """Top-k sampling (0 = off); > 0 makes the trainer's log-probs differ."""
+    max_new_tokens: int = 32
+    """Tokens per assistant turn."""
+    max_turns: int = 6
+    """Assistant turns per episode."""
+    max_total_tokens: int = 320
+    """Whole-episode token budget (prompt, actions, observations)."""
+    step_timeout_s: float = 10.0
+    """Deadline of one environment step; an episode past it ends as 'timeout'."""
+    max_batch_size: int = 64
+    """Engine decode slots (continuous batching)."""
+    recompute_kv_on_update: bool = False
+    """Re-prefill in-flight requests after a weight update (default: keep their KV cache)."""
+
+
+class TrainConfig(_Section):
+    """Optimisation."""
+
+    steps: int = 60
+    """Actor steps."""
+    batch_size: int = 32
+    """Trajectories per actor step (paper: 128)."""
+    actor_lr: float = 2e-4
+    """Actor learning rate (paper scale: 1e-6; tiny models need more)."""
+    critic_lr: float = 1e-3
+    """Critic learning rate (keep it above the actor's, as in the paper)."""
+    critic_lr_warmup_steps: int = 10
+    """Linear warm-up of the critic learning rate, in critic optimizer steps."""
+    grad_clip: float = 1.0
+    """Global gradient-norm clip of actor and critic."""
+    token_budget: int = 8192
+    """Micro-batch size in tokens (padded B*T) for forward/backward."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive steps with a NaN/inf loss or gradient (each is skipped)."""
+    logprob_budget: float = 1e-3
+    """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables)."""
+
+
+class RuntimeConfig(_Section):
+    """Where things run and how far rollouts may run ahead."""
+
+    backend: Literal["embedded", "ray"] = "embedded"
+    """'embedded': one process. 'ray': rollout workers and trainer as Ray actors."""
+    max_lag: int = 4
+    """Staleness bound in versions; 0 = synchronous training."""
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation."""
+
+    every: int = 20
+    """Evaluate held-out success every this many steps (and at the start and the end)."""
+    episodes: int = 100
+    """Held-out episodes per evaluation (greedy decoding)."""
+
+
+class LogConfig(_Section):
+    """What a run writes."""
+
+    run_dir: str | None = None
+    """Run directory; None: runs/<task>-<preset>-<time>."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install sao[wandb]`)."""
+    wandb_project: str = "sao"
+    """W&B project name."""
+    live: bool = True
+    """Rich live view in the terminal."""
+    checkpoint_every: int = 20
+    """Checkpoint every this many steps (and at the end)."""
+    plots: bool = True
+    """PNG plots at the end of the run."""
+
+
+class Config(_Section):
+    """Everything ``sao train`` needs."""
+
+    seed: int = 0
+    """Seed of everything random (models, tasks, sampling)."""
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    algo: AlgoConfig = AlgoConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
+
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "calc-tiny": {"task": {"name": "calculator"}},
+    "guess-tiny": {
+        "task": {"name": "guess_number"},
+        "rollout": {"max_turns": 7, "max_new_tokens": 12},
+    },
+    "style-shift-tiny": {
+        "task": {"name": "style_shift"},
+        "algo": {"preset": "sao"},
+        "train": {"steps": 400},
+        "rollout": {"max_turns": 1, "max_new_tokens": 96},
+    },
+    "python-tiny": {"task": {"name": "python_tool"}, "rollout": {"max_new_tokens": 48}},
+    "rgym-tiny": {
+        "task": {"name": "reasoning_gym", "options": {"dataset": "basic_arithmetic"}},
+        "rollout": {"max_turns": 1},
+    },
+}
+"""Named starting points; ``calc-tiny`` is the default."""
+
+
+def _suggest(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(valid)}."
+
+
+def _check_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "") -> None:
+    """Reject unknown keys, naming the closest valid one."""
+    valid = list(model.model_fields)
+    for key, value in data.items():
+        if key not in model.model_fields:
+            hint = (
+                _suggest(key, valid).replace("'", "'" + prefix, 1)
+                if prefix
+                else _suggest(key, valid)
+            )
+            raise ConfigError(f"unknown config key {prefix + key!r}.{hint}")
+        ann = model.model_fields[key].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(value, Mapping):
+            _check_keys(ann, value, prefix + key + ".")
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k != "options":
+            out[k] = _merge(dict(out[k]), v)
+        elif isinstance(v, str) and isinstance(out.get(k), Mapping) and k == "algo":
+            out[k] = _merge(dict(out[k]), {"preset": v})
+        else:
+            out[k] = v
+    return out
+
+
+def parse_override(item: str) -> dict[str, Any]:
+    """``"a.b=c"`` -> ``{"a": {"b": c}}`` with ``c`` parsed as a YAML scalar."""
+    if "=" not in item:
+        raise ConfigError(f"--set expects key=value, got {item!r} (e.g. --set train.steps=100)")
+    key, raw = item.split("=", 1)
+    value: Any = yaml.safe_load(raw) if raw.strip() else ""
+    out: dict[str, Any] = {}
+    node = out
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+    node[parts[-1]] = value
+    return out
+
+
+def read_file(path: str | Path) -> dict[str, Any]:
+    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) config file as a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"config file {str(p)!r} does not exist")
+    text = p.read_text()
+    data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {str(p)!r} must hold a table of settings")
+    return data
+
+
+def load_config(
+    preset: str | None = None,
+    file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Resolve preset -> file -> ``--set`` overrides into a validated :class:`Config`."""
+    data: dict[str, Any] = {}
+    if file is not None:
+        from_file = read_file(file)
+        preset = from_file.pop("preset", preset)
+        data = _merge(data, from_file)
+    name = preset or "calc-tiny"
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}.{_suggest(name, sorted(PRESETS))}")
+    data = _merge(PRESETS[name], data)
+    for item in overrides:
+        data = _merge(data, parse_override(item))
+    return validate(data)
+
+
+def validate(data: Mapping[str, Any]) -> Config:
+    """Build a Config from a dict; unknown keys and bad values become ConfigError."""
+    _check_keys(Config, data)
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+    cfg.algo.resolve()
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as plain data (written to the run directory)."""
+    return cfg.model_dump(mode="json")
+
+
+def reference_markdown() -> str:
+    """The configuration reference (docs/configuration.md), generated from field docs."""
+    from sao.algo.presets import field_docs
+
+    out = ["# Configuration reference", "", "Generated from `sao/config.py`; do not edit.", ""]
+    for name, field in Config.model_fields.items():
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            out += [f"- `{name}` (default `{field.default!r}`): {field.description}", ""]
+            continue
+        out += [f"## `{name}`", "", section.__doc__ or "", ""]
+        out += ["| key | default | meaning |", "|---|---|---|"]
+        for key, f in section.model_fields.items():
+            desc = (f.description or "").replace("\n", " ")
+            out.append(f"| `{name}.{key}` | `{f.default!r}` | {desc} |")
+        out.append("")
+    out += ["## Algorithm preset fields", "", "| field | meaning |", "|---|---|"]
+    docs = field_docs()
+    out += [f"| `{f.name}` | {docs.get(f.name, '')} |" for f in dc_fields(AlgoPreset)]
+    return "\n".join(out) + "\n"

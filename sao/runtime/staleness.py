@@ -1,0 +1,65 @@
+"""Off-policy control: how far rollouts may run ahead of the trainer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sao.types import Trajectory
+
+
+@dataclass
+class StalenessGate:
+    """Bounds how stale a trajectory may be, in two places.
+
+    Let ``v`` be the trainer's current weight version (number of actor steps
+    taken), ``B`` the batch size in trajectories and ``L = max_lag``.
+
+    * Admission (before an episode starts; AReaL-style capacity): a new
+      episode may start only while ``started - rejected + 1 <= (v + L + 1) * B``,
+      i.e. at most ``L + 1`` batches are generated ahead of the trainer.
+      ``started`` counts episodes ever started; ``rejected`` those that will
+      never be trained (dropped as stale, or filtered, e.g. by DAPO's dynamic
+      sampling), so they give their capacity back.
+    * Drop (when a finished episode is taken for training; GLM-5 style):
+      drop it iff ``v - min(version of its action tokens) > L``.
+
+    Synchronous training is ``max_lag = 0``: exactly one batch is generated
+    per version and the trainer waits for it; there is no second code path.
+    """
+
+    max_lag: int
+    batch_size: int
+    started: int = 0
+    rejected: int = 0
+    dropped: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_lag < 0:
+            raise ValueError(f"max_lag must be >= 0, got {self.max_lag}")
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+
+    def can_start(self, version: int) -> bool:
+        """True when one more episode may start at trainer version ``version``."""
+        return self.started - self.rejected + 1 <= (version + self.max_lag + 1) * self.batch_size
+
+    def start(self, n: int = 1) -> None:
+        """Record ``n`` episodes started."""
+        self.started += n
+
+    def reject(self, n: int = 1) -> None:
+        """Record ``n`` finished episodes that will not be trained on."""
+        self.rejected += n
+
+    def lag(self, trajectory: Trajectory, version: int) -> int:
+        """Versions between the trainer and the oldest action token (0 if none)."""
+        oldest = trajectory.min_version
+        return 0 if oldest < 0 else version - oldest
+
+    def is_fresh(self, trajectory: Trajectory, version: int) -> bool:
+        """True to train on it; False (and counted in ``dropped``) when too stale."""
+        if self.lag(trajectory, version) > self.max_lag:
+            self.dropped += 1
+            self.reject()
+            return False
+        return True
