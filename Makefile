@@ -27,10 +27,10 @@ lint: install
 	$(VENV)/bin/ruff format --check sao tests benchmarks
 
 typecheck: install
-	$(VENV)/bin/mypy sao/algo sao/types.py
+	$(VENV)/bin/mypy sao
 
 test: lint typecheck
-	$(VENV)/bin/pytest
+	$(VENV)/bin/pytest -q
 
 bench: install
 	$(PY) benchmarks/algo.py

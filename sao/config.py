@@ -262,12 +262,12 @@ def _check_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "
 def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in update.items():
+        if k == "algo" and isinstance(v, str):  # `algo = "grpo"` is `algo.preset = "grpo"`
+            v = {"preset": v}
         if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k != "options":
             out[k] = _merge(dict(out[k]), v)
-        elif isinstance(v, str) and isinstance(out.get(k), Mapping) and k == "algo":
-            out[k] = _merge(dict(out[k]), {"preset": v})
         else:
-            out[k] = v
+            out[k] = dict(v) if isinstance(v, Mapping) else v
     return out
 
 

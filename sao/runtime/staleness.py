@@ -12,10 +12,13 @@ class StalenessGate:
     """Bounds how stale a trajectory may be, in two places.
 
     Let ``v`` be the trainer's current weight version (number of actor steps
-    taken), ``B`` the batch size in trajectories and ``L = max_lag``.
+    published), ``s`` the number of batches the trainer has consumed (``s = v``
+    except during critic-only warm-up, which consumes batches without
+    publishing), ``B`` the batch size in trajectories and ``L = max_lag``.
 
     * Admission (before an episode starts; AReaL-style capacity): a new
-      episode may start only while ``started - rejected + 1 <= (v + L + 1) * B``,
+      episode may start only while ``started - rejected + n <= (s + L + 1) * B``
+      for ``n`` new episodes (a group starts whole),
       i.e. at most ``L + 1`` batches are generated ahead of the trainer.
       ``started`` counts episodes ever started; ``rejected`` those that will
       never be trained (dropped as stale, or filtered, e.g. by DAPO's dynamic
@@ -39,9 +42,11 @@ class StalenessGate:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
-    def can_start(self, version: int) -> bool:
-        """True when one more episode may start at trainer version ``version``."""
-        return self.started - self.rejected + 1 <= (version + self.max_lag + 1) * self.batch_size
+    def can_start(self, consumed_batches: int, n: int = 1) -> bool:
+        """True when ``n`` more episodes may start, the trainer having consumed
+        ``consumed_batches`` batches."""
+        capacity = (consumed_batches + self.max_lag + 1) * self.batch_size
+        return self.started - self.rejected + n <= capacity
 
     def start(self, n: int = 1) -> None:
         """Record ``n`` episodes started."""

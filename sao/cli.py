@@ -1,0 +1,192 @@
+"""The ``sao`` command: train, eval, check, demo, models make, config."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from sao.config import PRESETS, ConfigError, load_config, reference_markdown, validate
+
+
+def _train(args: argparse.Namespace) -> int:
+    from sao.runtime.run import train
+
+    if args.resume:
+        run_dir = train(load_config(), resume=Path(args.resume))
+    else:
+        cfg = load_config(args.preset, args.config, args.set)
+        run_dir = train(cfg)
+    summary = json.loads((run_dir / "summary.json").read_text())
+    print(f"run directory: {run_dir}")
+    print(
+        f"held-out success: {summary['eval/success_first']:.3f} -> "
+        f"{summary['eval/success_last']:.3f} (best {summary['eval/success_best']:.3f})"
+    )
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    import yaml
+
+    from sao.runtime.warmstart import held_out_success
+
+    target = Path(args.target)
+    if (target / "final").is_dir():  # a run directory
+        cfg = validate(yaml.safe_load((target / "config.yaml").read_text()))
+        model_dir = target / "final"
+    else:
+        cfg = load_config(args.preset, args.config, args.set)
+        model_dir = target
+    options = {"seed": cfg.seed, **cfg.task.options}
+    r = cfg.rollout
+    success = held_out_success(
+        model_dir,
+        cfg.task.name,
+        options,
+        episodes=args.episodes,
+        max_new_tokens=r.max_new_tokens,
+        max_turns=r.max_turns,
+        max_total_tokens=r.max_total_tokens,
+    )
+    print(json.dumps({"model": str(model_dir), "task": cfg.task.name, "eval/success": success}))
+    return 0
+
+
+def _check(args: argparse.Namespace) -> int:
+    import copy
+
+    from sao.rollout.check import check_logprobs
+    from sao.rollout.torch_engine import TorchEngine
+    from sao.runtime.run import build_parts
+
+    cfg = load_config(args.preset, args.config, args.set)
+    p = build_parts(cfg)
+    envs = [p.task.make_env("eval", i) for i in range(args.episodes)]
+
+    async def go() -> int:
+        with TorchEngine(copy.deepcopy(p.policy), tokenizer=p.tokenizer) as engine:
+            report = await check_logprobs(engine, p.policy, p.tokenizer, envs, p.sampling, p.limits)
+        print(report.summary())
+        report.check(args.budget)
+        return 0
+
+    return asyncio.run(go())
+
+
+def _models_make(args: argparse.Namespace) -> int:
+    import time
+
+    from sao.runtime.warmstart import ensure_policy, held_out_success
+
+    cfg = load_config(args.preset, None, [f"task.name={args.env}", *args.set])
+    options = {"seed": cfg.seed, **cfg.task.options}
+    t0 = time.perf_counter()
+    path = ensure_policy(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
+    built_s = time.perf_counter() - t0
+    r = cfg.rollout
+    success = held_out_success(
+        path,
+        cfg.task.name,
+        options,
+        episodes=args.episodes,
+        max_new_tokens=r.max_new_tokens,
+        max_turns=r.max_turns,
+        max_total_tokens=r.max_total_tokens,
+    )
+    print(
+        json.dumps(
+            {
+                "env": args.env,
+                "path": str(path),
+                "seconds": round(built_s, 1),
+                "eval/success": success,
+            }
+        )
+    )
+    return 0
+
+
+def _demo(args: argparse.Namespace) -> int:
+    return _train(argparse.Namespace(resume=None, preset=None, config=None, set=args.set))
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.reference:
+        print(reference_markdown(), end="")
+        return 0
+    import yaml
+
+    from sao.config import to_dict
+
+    cfg = load_config(args.preset, args.config, args.set)
+    print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
+    return 0
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", choices=sorted(PRESETS), help="starting point (default calc-tiny)")
+    p.add_argument("--config", help="TOML or YAML config file")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config key, e.g. --set algo=grpo --set train.steps=100",
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    """The argument parser of ``sao``."""
+    ap = argparse.ArgumentParser(prog="sao", description=__doc__)
+    sub = ap.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train a policy (default: SAO on calc-tiny)")
+    _add_config_args(p)
+    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.set_defaults(func=_train)
+    p = sub.add_parser("eval", help="held-out success of a run directory or checkpoint")
+    p.add_argument("target", help="RUN_DIR or a Hugging Face checkpoint directory")
+    p.add_argument("--episodes", type=int, default=200)
+    _add_config_args(p)
+    p.set_defaults(func=_eval)
+    p = sub.add_parser("check", help="compare engine and trainer log-probabilities")
+    p.add_argument("--episodes", type=int, default=8)
+    p.add_argument("--budget", type=float, default=1e-4)
+    _add_config_args(p)
+    p.set_defaults(func=_check)
+    p = sub.add_parser("demo", help="the main job: `sao train` on calc-tiny")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=_demo)
+    p = sub.add_parser("models", help="tiny warm-started policies")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    m = msub.add_parser("make", help="build (or reuse) the tiny starting policy of a task")
+    m.add_argument("env", help="built-in task name, e.g. calculator")
+    m.add_argument("--episodes", type=int, default=200)
+    m.add_argument("--preset", choices=sorted(PRESETS))
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    m.set_defaults(func=_models_make)
+    p = sub.add_parser("config", help="print the resolved config, or the reference")
+    _add_config_args(p)
+    p.add_argument("--reference", action="store_true", help="print docs/configuration.md")
+    p.set_defaults(func=_config)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: errors a user can fix print one clear line and exit 2."""
+    args = parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except (ConfigError, FileNotFoundError) as e:
+        print(f"sao: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("sao: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,412 @@
+"""``dataset``: single-turn prompts and reference answers from local files.
+
+Sources: JSON Lines (``.jsonl``, or ``.json`` holding lines or one list),
+Parquet (``.parquet``) or a directory written by ``datasets``'
+``save_to_disk`` (a ``Dataset``, or a ``DatasetDict`` whose split is picked by
+``train_split`` / ``eval_split``). Nothing is downloaded. Field names are set
+by ``prompt_key`` and ``answer_key``; a prompt is text or a list of chat
+messages (``{"role", "content"}``). Without an eval file, a deterministic
+held-out share (``eval_fraction``, by a hash of the prompt) is the eval split.
+An episode::
+
+    user:      What is 1/4 + 1/4?
+               Finish with 'answer X'.
+    assistant: answer \\boxed{1/2}
+
+Scorers (``scorer``): ``"math"`` (math-verify equivalence of the final answer
+and the reference: ``\\boxed{1/2}`` matches ``0.5``), ``"exact"`` (normalised
+text equality) or any callable ``(response, answer) -> float``. The final
+answer is what follows the last line starting with ``answer``, else the last
+``\\boxed{...}``, else an ``<answer>`` tag, else the whole reply
+(:func:`extract_answer`). A scorer that raises, or returns something that is
+not a finite number, gives reward 0 and its reason in the step's ``info``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import random
+import re
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+
+__all__ = [
+    "INSTRUCTION",
+    "DatasetEnv",
+    "DatasetTask",
+    "Example",
+    "exact_score",
+    "extract_answer",
+    "load_examples",
+    "math_score",
+    "safe_score",
+]
+
+Scorer = Callable[[str, str], float]
+"""``(response, reference answer) -> reward``."""
+Prompt = str | tuple[Message, ...]
+INSTRUCTION = "Finish with 'answer X'."
+_ANSWER_LINE = re.compile(r"^[ \t]*answer\b[ \t]*:?(?![ \t]*=)[ \t]*", re.IGNORECASE | re.MULTILINE)
+_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
+_MAX_ANSWER_CHARS = 2000
+_SCALE = 1_000_000
+
+
+@dataclass(frozen=True)
+class Example:
+    """One prompt (text or chat messages) and its reference answer."""
+
+    prompt: Prompt
+    answer: str
+
+    @property
+    def prompt_text(self) -> str:
+        """The prompt as one string (for hashing and messages)."""
+        if isinstance(self.prompt, str):
+            return self.prompt
+        return "\n".join(f"{m.role}: {m.content}" for m in self.prompt)
+
+
+def _last_boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}`` (braces balanced), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def extract_answer(response: str) -> str:
+    """The final answer in a reply (see module docstring for the order)."""
+    matches = list(_ANSWER_LINE.finditer(response))
+    text = response[matches[-1].end() :] if matches else response
+    boxed = _last_boxed(text)
+    if boxed is not None:
+        return boxed.strip()
+    if not matches:
+        tags = _TAG.findall(response)
+        if tags:
+            return tags[-1].strip()
+    return text.strip()
+
+
+def _normalize(text: str) -> str:
+    text = text.strip().strip("$").strip().rstrip(".").strip().strip("`'\"*").strip()
+    return " ".join(text.lower().split())
+
+
+def exact_score(response: str, answer: str) -> float:
+    """1.0 iff the reply's final answer equals ``answer`` after normalisation
+    (case, spaces, surrounding quotes or ``$``, a final full stop)."""
+    return 1.0 if _normalize(extract_answer(response)) == _normalize(answer) else 0.0
+
+
+def math_score(response: str, answer: str) -> float:
+    """1.0 iff math-verify finds the reply's final answer equivalent to ``answer``.
+
+    math-verify's own timeouts use ``SIGALRM``, which only works on the main
+    thread; elsewhere they are off and answers are capped in length instead.
+    """
+    from math_verify import parse, verify  # optional dependency, imported on use
+
+    main = threading.current_thread() is threading.main_thread()
+    timeout = 5 if main else None
+
+    def parsed(text: str) -> list[object]:
+        return parse(text[:_MAX_ANSWER_CHARS], parsing_timeout=timeout)
+
+    gold = parsed(answer)
+    if not gold:
+        raise ValueError(f"math-verify cannot parse the reference answer {answer[:80]!r}")
+    pred = parsed(extract_answer(response))
+    if not pred:
+        return 0.0
+    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
+
+
+def safe_score(scorer: Callable[[], object]) -> tuple[float, str | None]:
+    """Call ``scorer``; (reward, None) on success, (0.0, reason) if it raises
+    or returns something that is not a finite number."""
+    try:
+        value = scorer()
+    except Exception as err:  # a scorer's failure is a zero reward, never a crash
+        return 0.0, f"scorer raised {type(err).__name__}: {err}"[:300]
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return 0.0, f"scorer returned {type(value).__name__}, expected a float"
+    if not math.isfinite(float(value)):
+        return 0.0, f"scorer returned {value}, expected a finite float"
+    return float(value), None
+
+
+def _read_rows(path: Path, option: str, split_name: str) -> list[dict[str, object]]:
+    """Rows of a JSONL / JSON / Parquet file or a ``save_to_disk`` directory."""
+    if not path.exists():
+        raise FileNotFoundError(f"DatasetTask option {option}: {path} does not exist")
+    if path.is_dir():
+        import datasets  # optional dependency, imported on use
+
+        data = datasets.load_from_disk(str(path))
+        if isinstance(data, datasets.DatasetDict):
+            if split_name not in data:
+                raise ValueError(
+                    f"DatasetTask option {option}: {path} has splits {sorted(data)}, "
+                    f"not {split_name!r}; set train_split/eval_split to one of them"
+                )
+            data = data[split_name]
+        return list(data)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        import pyarrow.parquet as pq  # optional dependency, imported on use
+
+        return pq.read_table(path).to_pylist()
+    if suffix in (".jsonl", ".json"):
+        text = path.read_text(encoding="utf-8")
+        if text.lstrip().startswith("["):
+            return list(json.loads(text))
+        rows = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if line.strip():
+                try:
+                    rows.append(json.loads(line))
+                except json.JSONDecodeError as err:
+                    raise ValueError(
+                        f"DatasetTask option {option}: {path} line {n}: {err}"
+                    ) from err
+        return rows
+    raise ValueError(
+        f"DatasetTask option {option}: {path} is not a .jsonl/.json/.parquet file "
+        "or a save_to_disk directory"
+    )
+
+
+def _to_prompt(value: object, where: str) -> Prompt:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, Sequence) and value and all(isinstance(m, dict) for m in value):
+        try:
+            return tuple(Message(str(m["role"]), str(m["content"])) for m in value)  # type: ignore[arg-type]
+        except KeyError as err:
+            raise ValueError(f"{where}: chat messages need 'role' and 'content'") from err
+    raise ValueError(f"{where}: a prompt must be text or a list of chat messages")
+
+
+def load_examples(
+    path: str | Path,
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str = "answer",
+    split: str = "train",
+    option: str = "path",
+) -> list[Example]:
+    """Read ``path`` into examples; errors name the file, the row and the field."""
+    rows = _read_rows(Path(path), option, split)
+    if not rows:
+        raise ValueError(f"DatasetTask option {option}: {path} has no rows")
+    examples = []
+    for i, row in enumerate(rows):
+        where = f"{path} row {i}"
+        if not isinstance(row, dict):
+            raise ValueError(f"{where}: expected an object with fields, got {type(row).__name__}")
+        for key, arg in ((prompt_key, "prompt_key"), (answer_key, "answer_key")):
+            if key not in row:
+                raise ValueError(
+                    f"{where} has no field {key!r} (fields: {sorted(row)}); "
+                    f"set {arg} to the field that holds it"
+                )
+        answer = row[answer_key]
+        text = answer if isinstance(answer, str) else json.dumps(answer)
+        examples.append(Example(_to_prompt(row[prompt_key], where), text))
+    return examples
+
+
+class DatasetEnv:
+    """One single-turn episode: show the prompt, score the reply."""
+
+    def __init__(
+        self, example: Example, scorer: Scorer, *, instruction: str | None, system: str | None
+    ) -> None:
+        self.example = example
+        self.scorer = scorer
+        self.instruction = instruction
+        self.system = system
+        self.reward = 0.0
+        self.error: str | None = None
+        self.done = False
+
+    def first_messages(self) -> list[Message]:
+        """The prompt with the instruction appended, after the system message if set."""
+        prompt = self.example.prompt
+        msgs = [Message("user", prompt)] if isinstance(prompt, str) else list(prompt)
+        if self.instruction:
+            last = msgs[-1]
+            msgs[-1] = Message(last.role, f"{last.content}\n{self.instruction}")
+        if self.system and msgs[0].role != "system":
+            msgs.insert(0, Message("system", self.system))
+        return msgs
+
+    def first_observation(self) -> Observation:
+        """What ``reset`` returns: plain text for a lone user message, else the messages."""
+        msgs = self.first_messages()
+        return msgs[0].content if len(msgs) == 1 and msgs[0].role == "user" else tuple(msgs)
+
+    async def reset(self, seed: int) -> Observation:
+        """Start the episode; the example is fixed, ``seed`` is unused."""
+        self.reward, self.error, self.done = 0.0, None, False
+        return self.first_observation()
+
+    async def step(self, action: str) -> StepResult:
+        """Score the reply and end the episode."""
+        if self.done:
+            return StepResult(None, done=True, info={"error": "episode is over"})
+        self.done = True
+        self.reward, self.error = safe_score(lambda: self.scorer(action, self.example.answer))
+        info: dict[str, float | int | str] = {"reward": self.reward}
+        if self.error is not None:
+            info["error"] = self.error
+        return StepResult(None, done=True, info=info)
+
+    def score(self) -> float:
+        """The reward computed at the reply (0.0 if there was none)."""
+        return self.reward
+
+
+def _resolve_scorer(scorer: str | Scorer) -> Scorer:
+    if callable(scorer):
+        return scorer
+    named: dict[str, Scorer] = {"math": math_score, "exact": exact_score}
+    if scorer not in named:
+        raise ValueError(
+            f"DatasetTask option scorer: {scorer!r} is not 'math', 'exact' or a callable "
+            "(response, answer) -> float"
+        )
+    return named[scorer]
+
+
+def _hash(*parts: object) -> int:
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+def wrong_answer(answer: str, pool: Sequence[str], rng: random.Random) -> str:
+    """A plausible wrong answer: another example's, or an integer off by one."""
+    others = [a for a in rng.sample(list(pool), min(len(pool), 8)) if a != answer]
+    if answer.lstrip("-").isdigit() and (not others or rng.random() < 0.5):
+        return str(int(answer) + rng.choice((-1, 1)))
+    return others[0] if others else answer + "0"
+
+
+def answer_demo(messages: Sequence[Message], answer: str) -> Conversation:
+    """A one-reply demonstration: the prompt's messages, then ``answer X``."""
+    return (*messages, Message("assistant", f"answer {answer}"))
+
+
+class DatasetTask:
+    """Single-turn prompts with reference answers from local files (module docstring).
+
+    ``eval_path`` is optional: without it (and without an ``eval_split`` in a
+    saved ``DatasetDict``), ``eval_fraction`` of the train file is held out.
+    ``eval_limit`` caps the eval split. ``instruction`` is appended to each
+    prompt (None for none); ``system`` is an optional system message;
+    ``error_rate`` is the share of demonstrations with a wrong answer.
+    """
+
+    name = "dataset"
+
+    def __init__(
+        self,
+        train_path: str | Path,
+        eval_path: str | Path | None = None,
+        *,
+        prompt_key: str = "prompt",
+        answer_key: str = "answer",
+        scorer: str | Scorer = "math",
+        train_split: str = "train",
+        eval_split: str = "test",
+        eval_fraction: float = 0.1,
+        eval_limit: int | None = None,
+        instruction: str | None = INSTRUCTION,
+        system: str | None = None,
+        error_rate: float = 0.3,
+        seed: int = 0,
+    ) -> None:
+        _check(0.0 < eval_fraction < 1.0, "eval_fraction", "use a value in (0, 1)")
+        _check(eval_limit is None or eval_limit >= 1, "eval_limit", "use None or 1 or more")
+        _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
+        self.scorer = _resolve_scorer(scorer)
+        keys = {"prompt_key": prompt_key, "answer_key": answer_key}
+        train = load_examples(train_path, split=train_split, option="train_path", **keys)
+        if eval_path is not None:
+            evals = load_examples(eval_path, split=eval_split, option="eval_path", **keys)
+        elif _has_split(Path(train_path), eval_split):
+            evals = load_examples(train_path, split=eval_split, option="train_path", **keys)
+        else:
+            cut = int(eval_fraction * _SCALE)
+            held = [_hash(seed, e.prompt_text) % _SCALE < cut for e in train]
+            evals = [e for e, h in zip(train, held, strict=True) if h]
+            train = [e for e, h in zip(train, held, strict=True) if not h]
+            _check(bool(evals) and bool(train), "eval_fraction", "no example fell in one split")
+        random.Random(_hash(seed, "order")).shuffle(train)
+        self.train = train
+        self.eval = evals[:eval_limit] if eval_limit else evals
+        self.instruction, self.system = instruction, system
+        self.error_rate, self.seed = error_rate, seed
+
+    @property
+    def eval_size(self) -> int:
+        """Number of held-out examples."""
+        return len(self.eval)
+
+    def example(self, split: Split, index: int) -> Example:
+        """Example ``index`` of ``split`` (the train split wraps around)."""
+        if split == "train":
+            return self.train[index % len(self.train)]
+        if split == "eval":
+            if not 0 <= index < len(self.eval):
+                raise IndexError(f"eval index {index} out of range [0, {len(self.eval)})")
+            return self.eval[index]
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+    def make_env(self, split: Split, index: int) -> DatasetEnv:
+        """A fresh environment for example ``index`` of ``split``."""
+        example = self.example(split, index)
+        return DatasetEnv(example, self.scorer, instruction=self.instruction, system=self.system)
+
+    def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:
+        """``n`` train examples answered with their reference, ``error_rate`` of them wrongly."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        rng = random.Random(_hash(self.seed, "demos", seed))
+        pool = [e.answer for e in self.train]
+        demos = []
+        for _ in range(n):
+            env = self.make_env("train", rng.randrange(len(self.train)))
+            answer = env.example.answer
+            if rng.random() < self.error_rate:
+                answer = wrong_answer(answer, pool, rng)
+            demos.append(answer_demo(env.first_messages(), answer))
+        return demos
+
+
+def _has_split(path: Path, split: str) -> bool:
+    """True when ``path`` is a saved ``DatasetDict`` with split ``split``."""
+    dict_file = path / "dataset_dict.json"
+    if not dict_file.is_file():
+        return False
+    return split in json.loads(dict_file.read_text()).get("splits", [])
+
+
+def _check(ok: bool, option: str, fix: str) -> None:
+    """Raise a ``ValueError`` naming ``option`` when ``ok`` is false."""
+    if not ok:
+        raise ValueError(f"DatasetTask option {option}: {fix}")

@@ -1,0 +1,216 @@
+"""``guess_number``: find a hidden integer with higher/lower feedback.
+
+Environment feedback is sent with role ``user``. An episode (N = 32, hidden
+number 21)::
+
+    user:      guess a number in 1-32, 6 tries
+    assistant: guess 16
+    user:      higher
+    assistant: guess 24
+    user:      lower
+    assistant: guess 20
+    user:      higher
+    assistant: guess 22
+    user:      lower
+    assistant: guess 21
+
+Score 1.0 iff the number is found within ``max_turns`` actions (default
+``ceil(log2 N) + 1``, exactly enough for binary search). A malformed line gets
+``format: guess 16`` and an out-of-range guess ``out of range 1-32``; both
+waste a turn. When an action spans several lines only its last non-empty line
+is read.
+
+Splits: the prompt never reveals the number, so there is no problem text to
+leak; the splits are separate hash streams. Train problem ``i`` hides
+``1 + blake2b(seed, "train", i) % N``; eval problems walk seeded
+permutations of ``[1, N]``, so every number is held out equally often.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+import re
+
+from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+
+__all__ = ["GuessNumberEnv", "GuessNumberTask"]
+
+SYSTEM_PROMPT = (
+    "A number is hidden. Reply 'guess N'; you will be told 'higher' or 'lower'. "
+    "Find it within the given tries."
+)
+FORMAT_HINT = "format: guess 16"
+_LINE = re.compile(r"^guess\s*:?\s*(-?\d{1,12})\s*\.?$", re.IGNORECASE)
+
+
+def _hash(*parts: object) -> int:
+    """A stable 64-bit hash of ``parts`` (independent of PYTHONHASHSEED)."""
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+class GuessNumberEnv:
+    """One guessing episode; state lives in typed attributes (see module docstring)."""
+
+    def __init__(self, target: int, *, n: int, max_turns: int, system: bool) -> None:
+        self.target = target
+        self.n = n
+        self.max_turns = max_turns
+        self.system = system
+        self.turns = 0
+        self.wasted = 0
+        self.guesses: list[int] = []
+        self.found = False
+        self.done = False
+
+    @property
+    def prompt(self) -> str:
+        """The first user message."""
+        return f"guess a number in 1-{self.n}, {self.max_turns} tries"
+
+    def first_observation(self) -> Observation:
+        """What ``reset`` returns: the prompt, after the system message if enabled."""
+        if self.system:
+            return (Message("system", SYSTEM_PROMPT), Message("user", self.prompt))
+        return self.prompt
+
+    async def reset(self, seed: int) -> Observation:
+        """Start the episode; the hidden number is fixed, ``seed`` is unused."""
+        self.turns = self.wasted = 0
+        self.guesses = []
+        self.found = self.done = False
+        return self.first_observation()
+
+    async def step(self, action: str) -> StepResult:
+        """Apply one action (``guess N``)."""
+        return self.act(action)
+
+    def act(self, action: str) -> StepResult:
+        """Synchronous core of :meth:`step` (also used to build demonstrations)."""
+        if self.done:
+            return StepResult(None, done=True, info={"error": "episode is over"})
+        self.turns += 1
+        obs = self._respond(action)
+        if self.found or self.turns >= self.max_turns:
+            self.done = True
+            obs = None
+        info = {"turns": self.turns, "wasted": self.wasted, "found": int(self.found)}
+        return StepResult(obs, done=self.done, info=info)
+
+    def _respond(self, action: str) -> str | None:
+        lines = [ln.strip() for ln in action.strip().splitlines() if ln.strip()]
+        m = _LINE.match(lines[-1]) if lines else None
+        if m is None:
+            self.wasted += 1
+            return FORMAT_HINT
+        guess = int(m.group(1))
+        if not 1 <= guess <= self.n:
+            self.wasted += 1
+            return f"out of range 1-{self.n}"
+        self.guesses.append(guess)
+        if guess == self.target:
+            self.found = True
+            return None
+        return "higher" if guess < self.target else "lower"
+
+    def score(self) -> float:
+        """1.0 iff the hidden number was guessed within the turn budget."""
+        return 1.0 if self.found else 0.0
+
+
+class GuessNumberTask:
+    """Binary search for a hidden integer in ``[1, n]`` (a long-horizon credit task).
+
+    ``max_turns`` defaults to ``ceil(log2 n) + 1``. ``error_rate`` is the
+    per-guess probability that a demonstration guess is off-centre or
+    redundant (already excluded). ``system`` prepends a system message.
+    """
+
+    name = "guess_number"
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        n: int = 32,
+        max_turns: int | None = None,
+        eval_size: int = 200,
+        error_rate: float = 0.2,
+        system: bool = False,
+    ) -> None:
+        if not 2 <= n <= 10**6:
+            raise ValueError(f"GuessNumberTask option n: use a value in [2, 1e6], got {n}")
+        turns = math.ceil(math.log2(n)) + 1 if max_turns is None else max_turns
+        if turns < 1:
+            raise ValueError(f"GuessNumberTask option max_turns: use 1 or more, got {turns}")
+        if eval_size < 1:
+            raise ValueError(f"GuessNumberTask option eval_size: use 1 or more, got {eval_size}")
+        if not 0.0 <= error_rate <= 1.0:
+            raise ValueError(f"GuessNumberTask option error_rate: use [0, 1], got {error_rate}")
+        self.seed = seed
+        self.n = n
+        self.max_turns = turns
+        self._eval_size = eval_size
+        self.error_rate = error_rate
+        self.system = system
+
+    @property
+    def eval_size(self) -> int:
+        """Number of held-out problems."""
+        return self._eval_size
+
+    def target(self, split: Split, index: int) -> int:
+        """The hidden number of problem ``index`` of ``split``."""
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        if split == "train":
+            return 1 + _hash(self.seed, "train", index) % self.n
+        if split == "eval":
+            block, pos = divmod(index, self.n)
+            perm = list(range(1, self.n + 1))
+            random.Random(_hash(self.seed, "eval", block)).shuffle(perm)
+            return perm[pos]
+        raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+
+    def make_env(self, split: Split, index: int) -> GuessNumberEnv:
+        """A fresh environment for problem ``index`` of ``split``."""
+        return GuessNumberEnv(
+            self.target(split, index), n=self.n, max_turns=self.max_turns, system=self.system
+        )
+
+    def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:
+        """``n`` noisy binary searches on train problems (some fail by running out of tries)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        rng = random.Random(_hash(self.seed, "demos", seed))
+        return [self._demo(rng) for _ in range(n)]
+
+    def _demo(self, rng: random.Random) -> Conversation:
+        env = self.make_env("train", rng.randrange(10**9))
+        msgs = [Message("system", SYSTEM_PROMPT)] if self.system else []
+        msgs.append(Message("user", env.prompt))
+        lo, hi = 1, self.n
+        while not env.done:
+            guess = _noisy_guess(lo, hi, self.n, rng, self.error_rate)
+            result = env.act(f"guess {guess}")
+            msgs.append(Message("assistant", f"guess {guess}"))
+            if result.observation == "higher":
+                lo = max(lo, guess + 1)
+            elif result.observation == "lower":
+                hi = min(hi, guess - 1)
+            if isinstance(result.observation, str):
+                msgs.append(Message("user", result.observation))
+        return tuple(msgs)
+
+
+def _noisy_guess(lo: int, hi: int, n: int, rng: random.Random, error_rate: float) -> int:
+    """The binary-search midpoint of ``[lo, hi]``, or at ``error_rate`` an
+    off-centre guess inside the interval or a redundant one outside it."""
+    if rng.random() >= error_rate:
+        return (lo + hi) // 2
+    outside = [g for g in (lo - 1, hi + 1) if 1 <= g <= n]
+    if outside and rng.random() < 0.3:
+        return rng.choice(outside)
+    return rng.randint(lo, hi)

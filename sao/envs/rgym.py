@@ -1,0 +1,229 @@
+"""``reasoning_gym``: any reasoning-gym dataset as a single-turn task.
+
+The prompt is the entry's question plus a short instruction; the reply's
+final answer (:func:`sao.envs.dataset.extract_answer`: what follows the last
+``answer`` line, else a ``\\boxed{}`` or ``<answer>`` tag, else the whole
+reply) is scored by the dataset's own ``score_answer(answer, entry)``. An
+episode::
+
+    user:      Calculate 5 - 3 - 6.
+               Finish with 'answer X'.
+    assistant: answer -4
+
+A scorer that raises gives reward 0 with its reason in the step's ``info``.
+The train split is ``create_dataset(dataset, seed=train_seed)`` and the eval
+split ``create_dataset(dataset, seed=eval_seed)``, both seeds derived from
+``seed``; a train entry whose question also appears in the eval split is
+skipped, so the splits never share a question.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import random
+from collections.abc import Mapping
+from typing import Protocol
+
+from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+from sao.envs.dataset import INSTRUCTION, answer_demo, extract_answer, safe_score, wrong_answer
+
+__all__ = ["ReasoningGymEnv", "ReasoningGymTask", "dataset_names"]
+
+_MAX_SKIPS = 1000
+_SKIP_STRIDE = 7919
+
+
+def _hash(*parts: object) -> int:
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+Entry = Mapping[str, object]
+"""A reasoning-gym entry: ``question``, ``answer``, ``metadata``."""
+
+
+class AnswerScorer(Protocol):
+    """What the environment needs from a reasoning-gym dataset."""
+
+    def score_answer(self, answer: str | None, entry: Entry) -> float: ...
+
+
+class GymDataset(AnswerScorer, Protocol):
+    """A reasoning-gym ``ProceduralDataset``: indexable entries plus a scorer."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Entry: ...
+
+
+def dataset_names() -> list[str]:
+    """Names of the datasets reasoning-gym registers."""
+    from reasoning_gym.factory import DATASETS  # optional dependency, imported on use
+
+    return sorted(DATASETS)
+
+
+class ReasoningGymEnv:
+    """One single-turn episode over a reasoning-gym entry."""
+
+    def __init__(
+        self,
+        entry: Entry,
+        dataset: AnswerScorer,
+        *,
+        instruction: str | None,
+        system: str | None,
+    ) -> None:
+        self.entry = entry
+        self.dataset = dataset
+        self.instruction = instruction
+        self.system = system
+        self.reward = 0.0
+        self.error: str | None = None
+        self.done = False
+
+    def first_messages(self) -> list[Message]:
+        """The question with the instruction appended, after the system message if set."""
+        text = str(self.entry["question"]).strip()
+        if self.instruction:
+            text = f"{text}\n{self.instruction}"
+        user = Message("user", text)
+        return [Message("system", self.system), user] if self.system else [user]
+
+    def first_observation(self) -> Observation:
+        """What ``reset`` returns: the question text, or system and user messages."""
+        msgs = self.first_messages()
+        return tuple(msgs) if self.system else msgs[0].content
+
+    async def reset(self, seed: int) -> Observation:
+        """Start the episode; the entry is fixed, ``seed`` is unused."""
+        self.reward, self.error, self.done = 0.0, None, False
+        return self.first_observation()
+
+    async def step(self, action: str) -> StepResult:
+        """Score the reply with the dataset's ``score_answer`` and end the episode."""
+        if self.done:
+            return StepResult(None, done=True, info={"error": "episode is over"})
+        self.done = True
+        answer = extract_answer(action)
+        self.reward, self.error = safe_score(
+            lambda: self.dataset.score_answer(answer=answer, entry=self.entry)
+        )
+        info: dict[str, float | int | str] = {"reward": self.reward}
+        if self.error is not None:
+            info["error"] = self.error
+        return StepResult(None, done=True, info=info)
+
+    def score(self) -> float:
+        """The reward computed at the reply (0.0 if there was none)."""
+        return self.reward
+
+
+class ReasoningGymTask:
+    """A reasoning-gym dataset by name (``dataset``), with ``config`` passed
+    to ``create_dataset``; ``train_size`` entries before the train split wraps
+    around, ``eval_size`` held-out entries; ``instruction`` appended to each
+    question (None for none), an optional ``system`` message, and
+    ``error_rate`` the share of demonstrations with a wrong answer."""
+
+    name = "reasoning_gym"
+
+    def __init__(
+        self,
+        dataset: str = "basic_arithmetic",
+        *,
+        config: Mapping[str, object] | None = None,
+        seed: int = 0,
+        train_size: int = 100_000,
+        eval_size: int = 200,
+        instruction: str | None = INSTRUCTION,
+        system: str | None = None,
+        error_rate: float = 0.3,
+    ) -> None:
+        _check(train_size >= 1, "train_size", "use 1 or more")
+        _check(eval_size >= 1, "eval_size", "use 1 or more")
+        _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
+        names = dataset_names()
+        if dataset not in names:
+            close = difflib.get_close_matches(dataset, names, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"ReasoningGymTask option dataset: unknown reasoning-gym dataset {dataset!r}."
+                f"{hint} Valid names: {', '.join(names)}"
+            )
+        self.dataset = dataset
+        self.config = dict(config or {})
+        self.seed = seed
+        self.train_data = self._create(_hash(seed, "train") % 2**31, train_size)
+        self.eval_data = self._create(_hash(seed, "eval") % 2**31, eval_size)
+        self._eval_size = eval_size
+        self._eval_questions: set[str] | None = None
+        self.instruction, self.system, self.error_rate = instruction, system, error_rate
+
+    def _create(self, seed: int, size: int) -> GymDataset:
+        import reasoning_gym  # optional dependency, imported on use
+
+        try:
+            data: GymDataset = reasoning_gym.create_dataset(
+                self.dataset, seed=seed, size=size, **self.config
+            )
+        except (TypeError, ValueError, AssertionError) as err:
+            raise ValueError(
+                f"ReasoningGymTask option config: {self.config} is not valid for "
+                f"{self.dataset!r}: {err}"
+            ) from err
+        return data
+
+    @property
+    def eval_size(self) -> int:
+        """Number of held-out entries."""
+        return self._eval_size
+
+    def entry(self, split: Split, index: int) -> Entry:
+        """Entry ``index`` of ``split`` (train wraps around and skips eval questions)."""
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        if split == "eval":
+            if index >= self._eval_size:
+                raise IndexError(f"eval index {index} out of range [0, {self._eval_size})")
+            return self.eval_data[index]
+        if split != "train":
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if self._eval_questions is None:
+            data = self.eval_data
+            self._eval_questions = {str(data[i]["question"]) for i in range(len(data))}
+        size = len(self.train_data)
+        for skip in range(_MAX_SKIPS):
+            entry = self.train_data[(index + skip * _SKIP_STRIDE) % size]
+            if entry["question"] not in self._eval_questions:
+                return entry
+        raise ValueError(f"no train entry of {self.dataset!r} differs from the eval split")
+
+    def make_env(self, split: Split, index: int) -> ReasoningGymEnv:
+        """A fresh environment for entry ``index`` of ``split``."""
+        data = self.eval_data if split == "eval" else self.train_data
+        return ReasoningGymEnv(
+            self.entry(split, index), data, instruction=self.instruction, system=self.system
+        )
+
+    def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:
+        """``n`` train entries answered with ``entry['answer']``, ``error_rate`` of them wrongly."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        rng = random.Random(_hash(self.seed, "demos", seed))
+        envs = [self.make_env("train", rng.randrange(len(self.train_data))) for _ in range(n)]
+        pool = [str(env.entry["answer"]) for env in envs]
+        demos = []
+        for env in envs:
+            answer = str(env.entry["answer"])
+            if rng.random() < self.error_rate:
+                answer = wrong_answer(answer, pool, rng)
+            demos.append(answer_demo(env.first_messages(), answer))
+        return demos
+
+
+def _check(ok: bool, option: str, fix: str) -> None:
+    """Raise a ``ValueError`` naming ``option`` when ``ok`` is false."""
+    if not ok:
+        raise ValueError(f"ReasoningGymTask option {option}: {fix}")

@@ -1,0 +1,422 @@
+"""A code sandbox for environments that run model-written Python.
+
+:func:`run_python` runs a program in a separate interpreter (``python -I``)
+with resource limits, no network, a private working directory and a
+wall-clock deadline, and returns a :class:`SandboxResult`; it never raises for
+anything the program does.
+
+What is enforced (see :class:`Isolation` in each result for what a run got):
+
+* Always: its own session and process group; a supervisor process that is a
+  child subreaper, so every process the program starts (even after
+  ``setsid`` or a double fork) is killed and reaped when the program exits or
+  the deadline passes; ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and
+  ``RLIMIT_NPROC``; a minimal environment with ``HOME`` and ``TMPDIR`` in the
+  working directory, which is removed afterwards; output read with a cap.
+* As root, where the kernel allows namespaces: a fresh network namespace (no
+  interfaces up: every connection fails, loopback included); a private mount
+  namespace in which every mount is read-only and the working directory is a
+  size-limited tmpfs; the program runs under a fresh unprivileged uid (so
+  ``RLIMIT_NPROC`` applies and nothing outside the working directory is
+  writable), with the interpreter's directories made reachable for it.
+* Otherwise (not root, or namespaces refused): network calls are blocked by
+  replacing ``socket.socket`` in the program's interpreter, which code that
+  imports ``_socket`` directly can get around; files outside the working
+  directory are protected only by ordinary permissions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import site
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = ["Isolation", "SandboxResult", "run_python"]
+
+_SUPERVISOR = Path(__file__).with_name("_sandbox_supervisor.py")
+_UID_BASE = 2_000_000_000
+"""Sandbox uids are drawn from [_UID_BASE, _UID_BASE + 2**24): one fresh uid
+per run, so the process limit and the clean-up cover exactly that run."""
+_STOP_GRACE_S = 5.0
+_MARKERS = (
+    (b"MemoryError", "memory_limit"),
+    (b"Resource temporarily unavailable", "process_limit"),
+    (b"can't start new thread", "process_limit"),
+    (b"File too large", "file_size_limit"),
+    (b"No space left on device", "disk_limit"),
+)
+"""stderr texts that name the limit a program ran into, in order of precedence."""
+_MARKER_TAIL = max(len(m) for m, _ in _MARKERS)
+_BACKGROUND: set[asyncio.Task[None]] = set()
+"""Clean-up tasks of cancelled runs (kept referenced until they finish)."""
+_MIN_MEMORY_MB = 32
+
+
+@dataclass(frozen=True)
+class Isolation:
+    """Which protections a run actually got."""
+
+    network: bool = False
+    """True when the program ran in an empty network namespace; False when
+    network access was only blocked inside its interpreter."""
+    filesystem: bool = False
+    """True when every mount was read-only apart from the tmpfs working directory."""
+    uid: int | None = None
+    """The unprivileged uid the program ran under, or None when it kept the caller's."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """The outcome of one :func:`run_python` call."""
+
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    """The program's exit status; ``-N`` when signal ``N`` killed it; None if unknown."""
+    timed_out: bool
+    """True when the wall-clock deadline stopped the program."""
+    killed_reason: str | None
+    """Why the program was stopped or refused something, or None: ``timeout``,
+    ``cpu_limit``, ``memory_limit``, ``process_limit``, ``file_size_limit``,
+    ``disk_limit``, ``output_limit``, ``leftover_processes``, ``signal:NAME``
+    or ``sandbox_error``."""
+    truncated: bool
+    """True when stdout or stderr was cut to ``max_output_chars``."""
+    duration_s: float
+    leftover_processes: int = 0
+    """Processes still running after the program exited, killed by the sandbox."""
+    isolation: Isolation = field(default_factory=Isolation)
+    pid: int = 0
+    """Pid (and process-group id) of the sandbox's supervisor process."""
+
+    @property
+    def ok(self) -> bool:
+        """True when the program exited with status 0 and was not stopped."""
+        return self.exit_code == 0 and self.killed_reason is None
+
+
+class _Capture(asyncio.SubprocessProtocol):
+    """Keeps at most ``cap_bytes`` of each stream and counts the rest."""
+
+    def __init__(self, cap_bytes: int, flood_bytes: int) -> None:
+        self.cap_bytes = cap_bytes
+        self.flood_bytes = flood_bytes
+        self.data: dict[int, bytearray] = {1: bytearray(), 2: bytearray()}
+        self.reasons: set[str] = set()
+        """Limits named anywhere in stderr (also past the cap), see ``_MARKERS``."""
+        self._tail = b""
+        self.total = 0
+        self.truncated = False
+        self.exited = asyncio.Event()
+        self.closed = asyncio.Event()
+        self.flooded = asyncio.Event()
+
+    def pipe_data_received(self, fd: int, data: bytes) -> None:
+        buf = self.data[fd]
+        room = self.cap_bytes - len(buf)
+        if room > 0:
+            buf += data[:room]
+        if len(data) > room:
+            self.truncated = True
+        self.total += len(data)
+        if self.total > self.flood_bytes:
+            self.flooded.set()
+        if fd == 2:
+            window = self._tail + data
+            self.reasons.update(r for marker, r in _MARKERS if marker in window)
+            self._tail = window[-_MARKER_TAIL:]
+
+    def process_exited(self) -> None:
+        self.exited.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed.set()
+
+
+def _needed_paths() -> list[str]:
+    """Directories the program's interpreter must be able to read."""
+    paths = {os.path.realpath(sys.executable), sys.prefix, sys.base_prefix, sys.exec_prefix}
+    paths.add(sys.base_exec_prefix)
+    paths.update(p for p in site.getsitepackages() if os.path.isdir(p))
+    stdlib = sysconfig.get_paths().get("stdlib")
+    if stdlib:
+        paths.add(stdlib)
+    return sorted(paths)
+
+
+def _user_threads(uid: int) -> int:
+    """Threads currently owned by ``uid`` (``RLIMIT_NPROC`` counts them all)."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            status = Path(f"/proc/{name}/status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
+
+
+def _config(
+    code_dir: Path,
+    *,
+    cpu_s: int,
+    memory_mb: int,
+    file_size_mb: int,
+    max_processes: int,
+    disk_mb: int,
+    namespaces: bool,
+) -> dict[str, object]:
+    """The supervisor's JSON configuration for one run."""
+    work = code_dir / "work"
+    uid = _UID_BASE + secrets.randbelow(1 << 24)
+    nproc = max_processes if os.geteuid() == 0 else _user_threads(os.getuid()) + max_processes
+    env = {
+        "PATH": "/usr/local/bin:/usr/bin:/bin",
+        "HOME": str(work),
+        "TMPDIR": str(work),
+        "LANG": "C.UTF-8",
+        "LC_ALL": "C.UTF-8",
+        "OPENBLAS_NUM_THREADS": "1",
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+    }
+    return {
+        "python": sys.executable,
+        "work": str(work),
+        "stash": str(code_dir / "stash"),
+        "report": str(code_dir / "report.json"),
+        "uid": uid,
+        "parent_pid": os.getpid(),
+        "needed_paths": _needed_paths(),
+        "disk_mb": disk_mb,
+        "namespaces": namespaces,
+        "env": env,
+        "limits": {
+            "cpu": cpu_s,
+            "as": memory_mb << 20,
+            "fsize": file_size_mb << 20,
+            "nproc": nproc,
+        },
+    }
+
+
+def _check_limits(
+    wall_s: float, cpu_s: int, memory_mb: int, max_output_chars: int, sizes: dict[str, int]
+) -> None:
+    """Raise a ``ValueError`` naming the first limit a caller set out of range."""
+    if not wall_s > 0:
+        raise ValueError(f"run_python: wall_s must be > 0, got {wall_s}")
+    if cpu_s < 1:
+        raise ValueError(f"run_python: cpu_s must be >= 1 (whole seconds), got {cpu_s}")
+    if memory_mb < _MIN_MEMORY_MB:
+        raise ValueError(
+            f"run_python: memory_mb must be >= {_MIN_MEMORY_MB} (the interpreter needs it), "
+            f"got {memory_mb}"
+        )
+    if max_output_chars < 0:
+        raise ValueError(f"run_python: max_output_chars must be >= 0, got {max_output_chars}")
+    for name, value in sizes.items():
+        if value < 1:
+            raise ValueError(f"run_python: {name} must be >= 1, got {value}")
+
+
+async def run_python(
+    code: str,
+    *,
+    wall_s: float = 5.0,
+    cpu_s: int = 5,
+    memory_mb: int = 256,
+    file_size_mb: int = 1,
+    max_output_chars: int = 2000,
+    max_processes: int = 32,
+    disk_mb: int = 16,
+    flood_bytes: int = 4_000_000,
+    namespaces: bool = True,
+) -> SandboxResult:
+    """Run ``code`` as ``main.py`` in a fresh sandbox and report what happened.
+
+    ``wall_s`` is the wall-clock deadline, ``cpu_s`` the CPU-time limit,
+    ``memory_mb`` the address-space limit, ``file_size_mb`` the largest file
+    the program may write, ``max_processes`` the most processes and threads
+    it may have, ``disk_mb`` the size of its working directory (where a tmpfs
+    is available). stdout and stderr are each cut to ``max_output_chars``;
+    a program that writes more than ``flood_bytes`` in total is stopped.
+    ``namespaces=False`` skips the network and mount namespaces (the weaker
+    guarantees described in the module docstring).
+    """
+    sizes = {"file_size_mb": file_size_mb, "max_processes": max_processes, "disk_mb": disk_mb}
+    _check_limits(wall_s, cpu_s, memory_mb, max_output_chars, sizes)
+    start = time.monotonic()
+    code_dir = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
+    try:
+        code_dir.chmod(0o711)  # the sandbox uid may traverse, never list or write
+        (code_dir / "work").mkdir(mode=0o700)
+        (code_dir / "work" / "main.py").write_bytes(code.encode("utf-8", errors="replace"))
+        cfg = _config(
+            code_dir,
+            cpu_s=cpu_s,
+            memory_mb=memory_mb,
+            file_size_mb=file_size_mb,
+            max_processes=max_processes,
+            disk_mb=disk_mb,
+            namespaces=namespaces,
+        )
+        capture = _Capture(4 * max_output_chars + 4, flood_bytes)
+        pid, stop_reason = await _supervise(cfg, capture, wall_s)
+        return _result(capture, code_dir, cfg, pid, stop_reason, max_output_chars, start)
+    finally:
+        shutil.rmtree(code_dir, ignore_errors=True)
+
+
+async def _supervise(
+    cfg: dict[str, object], capture: _Capture, wall_s: float
+) -> tuple[int, str | None]:
+    """Start the supervisor, enforce the deadline and the output cap, and wait
+    until it and every pipe writer are gone. Returns its pid and why it was
+    stopped (``timeout``, ``output_limit``) or None."""
+    loop = asyncio.get_running_loop()
+    transport, _ = await loop.subprocess_exec(
+        lambda: capture,
+        sys.executable,
+        "-I",
+        "-S",
+        str(_SUPERVISOR),
+        json.dumps(cfg),
+        stdin=asyncio.subprocess.DEVNULL,
+        start_new_session=True,
+        env={"PATH": "/usr/bin:/bin"},
+    )
+    pid = transport.get_pid()
+    try:
+        stop_reason = await _enforce(pid, capture, wall_s)
+    except BaseException:  # cancelled: the supervisor cleans up, then the pipes close
+        if not capture.exited.is_set():
+            _signal(pid, signal.SIGUSR1)
+            task = asyncio.ensure_future(_close_when_exited(transport, capture))
+            _BACKGROUND.add(task)
+            task.add_done_callback(_BACKGROUND.discard)
+            raise
+        transport.close()
+        raise
+    transport.close()
+    return pid, stop_reason
+
+
+async def _enforce(pid: int, capture: _Capture, wall_s: float) -> str | None:
+    """Wait for the supervisor to exit, stopping it at the deadline or on an
+    output flood; returns ``timeout``, ``output_limit`` or None."""
+    waiters = [asyncio.ensure_future(e.wait()) for e in (capture.exited, capture.flooded)]
+    try:
+        await asyncio.wait(waiters, timeout=wall_s, return_when="FIRST_COMPLETED")
+    finally:
+        for w in waiters:
+            w.cancel()
+    stop_reason = None
+    if not capture.exited.is_set():
+        stop_reason = "output_limit" if capture.flooded.is_set() else "timeout"
+        _signal(pid, signal.SIGUSR1)
+        await _wait_event(capture.exited, _STOP_GRACE_S)
+    if not capture.exited.is_set():
+        _signal(pid, signal.SIGKILL, group=True)  # backstop: the supervisor is stuck
+        await _wait_event(capture.exited, _STOP_GRACE_S)
+    await _wait_event(capture.closed, 1.0)
+    return stop_reason
+
+
+async def _close_when_exited(transport: asyncio.SubprocessTransport, capture: _Capture) -> None:
+    """After a cancellation: give the supervisor time to clean up, then close."""
+    try:
+        await _wait_event(capture.exited, _STOP_GRACE_S)
+    finally:
+        transport.close()
+
+
+async def _wait_event(event: asyncio.Event, timeout_s: float) -> None:
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(event.wait(), timeout_s)
+
+
+def _signal(pid: int, sig: signal.Signals, *, group: bool = False) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _decode(buf: bytearray, limit: int, work: str) -> tuple[str, bool]:
+    text = buf.decode("utf-8", errors="replace").replace(work + "/", "")
+    return text[:limit], len(text) > limit
+
+
+def _result(
+    capture: _Capture,
+    code_dir: Path,
+    cfg: dict[str, object],
+    pid: int,
+    stop_reason: str | None,
+    max_output_chars: int,
+    start: float,
+) -> SandboxResult:
+    """Assemble the result from the captured output and the supervisor's report."""
+    work = str(cfg["work"])
+    stdout, cut_out = _decode(capture.data[1], max_output_chars, work)
+    stderr, cut_err = _decode(capture.data[2], max_output_chars, work)
+    try:
+        report = json.loads((code_dir / "report.json").read_text())
+    except (OSError, ValueError):
+        report = {}
+    status = report.get("status")
+    exit_code = None if status is None else os.waitstatus_to_exitcode(status)
+    reason = stop_reason or _stop_reason(exit_code, capture.reasons, report)
+    if not report and reason is None:
+        reason = "sandbox_error"
+    isolation = Isolation(
+        network=bool(report.get("network")),
+        filesystem=bool(report.get("filesystem")),
+        uid=int(str(cfg["uid"])) if report.get("drop_uid") else None,
+    )
+    return SandboxResult(
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=exit_code,
+        timed_out=stop_reason == "timeout",
+        killed_reason=reason,
+        truncated=capture.truncated or cut_out or cut_err,
+        duration_s=time.monotonic() - start,
+        leftover_processes=int(report.get("leftovers", 0)),
+        isolation=isolation,
+        pid=pid,
+    )
+
+
+def _stop_reason(exit_code: int | None, reasons: set[str], report: dict[str, object]) -> str | None:
+    """Name the limit that stopped the program, from its status and the
+    limits its stderr mentions."""
+    if exit_code is not None and exit_code < 0:
+        sig = -exit_code
+        if sig in (signal.SIGXCPU, signal.SIGKILL):
+            return "cpu_limit"
+        return f"signal:{signal.Signals(sig).name}" if sig in signal.valid_signals() else "signal"
+    if exit_code not in (None, 0):
+        for _, reason in _MARKERS:
+            if reason in reasons:
+                return reason
+    if report.get("leftovers"):
+        return "leftover_processes"
+    return None

@@ -1,0 +1,487 @@
+"""``style_shift``: the online-learning simulation (ALGORITHMS.md section 7).
+
+A single-turn writing task. The policy picks one of four styles, declares it
+with a tag and writes a short text about the topic::
+
+    user:      write about red cats
+    assistant: [cute] red cats are so fluffy and smol, yay!
+
+Reward = quality x style match, each binary, from a deterministic judge
+(:func:`judge_text`): *quality* needs a known ``[style]`` tag, 4-30 words,
+at most 240 characters, printable text, the topic phrase, and no repetition
+garbage; the *style* is the declared tag when the text uses more marker words
+of that style (:data:`MARKERS`) than of any other, else none. The preferred
+style follows a schedule over training steps (default cute from step 0,
+chuunibyou from 133, classical from 266); the task is ``StepAware`` and every
+env made after ``set_train_step`` judges with the then-current preference.
+``make_eval_env(index, style)`` pins the preference for held-out evaluation
+per style. Optionally an LLM behind an OpenAI-compatible endpoint judges
+quality and style instead (``judge="openai"``); any error gives reward 0 with
+the reason kept in ``env.verdict.reason``.
+
+Topics are "<adjective> <noun>" phrases; a phrase is held out iff
+``blake2b(seed, phrase) % EVAL_SHARE == 0``, so eval topics are new
+combinations of words seen in training and never appear in the train split.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import json
+import os
+import random
+import re
+import urllib.parse
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+
+__all__ = [
+    "DEFAULT_SCHEDULE",
+    "MARKERS",
+    "STYLES",
+    "BuiltinJudge",
+    "OpenAIJudge",
+    "StyleShiftEnv",
+    "StyleShiftTask",
+    "Verdict",
+    "detect_style",
+    "judge_text",
+    "preferred_style",
+]
+
+STYLES = ("academic", "cute", "chuunibyou", "classical")
+
+
+def _words(text: str) -> tuple[str, ...]:
+    """The whitespace-separated words of ``text``."""
+    return tuple(text.split())
+
+
+MARKERS: dict[str, frozenset[str]] = {
+    "academic": frozenset(
+        _words("thus furthermore moreover hence notably evidence analysis findings hypothesis")
+    ),
+    "cute": frozenset(_words("uwu owo fluffy smol yay hehe teehee cozy nya sparkly cuddly")),
+    "chuunibyou": frozenset(
+        _words("behold darkness sealed destiny abyss cursed forbidden awaken crimson fate")
+    ),
+    "classical": frozenset(_words("thee thou thy hath doth yonder ere alas verily wherefore oft")),
+}
+"""Marker words per style (whole words, case-insensitive)."""
+DEFAULT_SCHEDULE: tuple[tuple[int, str], ...] = (
+    (0, "cute"),
+    (133, "chuunibyou"),
+    (266, "classical"),
+)
+EVAL_SHARE = 8
+ADJECTIVES = _words(
+    "old red blue green cold warm wild quiet lazy brave silver golden little busy sleepy gentle"
+)
+NOUNS = _words(
+    "cats dogs owls bees trains clocks rivers gardens stars clouds books boats apples candles "
+    "bridges foxes hills lamps kites robots bells ships frogs roses"
+)
+SYSTEM_PROMPT = (
+    "Write a short text (4-30 words) about the topic in one style. Start with the style tag: "
+    "[academic], [cute], [chuunibyou] or [classical]."
+)
+FORMAT_HINT = "format: [cute] a short text about the topic"
+JUDGE_PROMPT = (
+    "You grade a short text written about a topic. Reply with JSON only: "
+    '{"quality": 1 or 0, "style": "academic" | "cute" | "chuunibyou" | "classical" | "none"}. '
+    "quality is 1 if the text is fluent, on topic, 4-30 words and not repetitive; "
+    "style is the text's writing style."
+)
+_TAG = re.compile(r"^\s*\[([A-Za-z]+)\]\s*(.*)$", re.DOTALL)
+_WORD = re.compile(r"[a-z']+")
+_MAX_TEXT = 4000
+TEMPLATES: dict[str, tuple[str, ...]] = {
+    "academic": (
+        "notably, {t} merit careful analysis; the evidence is thus clear.",
+        "this study of {t} finds, moreover, strong evidence.",
+        "{t} are, furthermore, a subject of careful analysis.",
+    ),
+    "cute": (
+        "{t} are so fluffy and smol, yay!",
+        "hehe, {t} make me happy uwu",
+        "cozy {t} everywhere, teehee!",
+    ),
+    "chuunibyou": (
+        "behold! {t} awaken the darkness within my sealed eye!",
+        "{t} are bound to my cursed destiny.",
+        "from the abyss, {t} grant me forbidden power!",
+    ),
+    "classical": (
+        "o {t}, thou art fair as a summer day.",
+        "yonder {t} doth rest ere the night, alas.",
+        "verily, {t} hath a grace most noble.",
+    ),
+}
+"""Demonstration templates per style; ``{t}`` is the topic."""
+
+
+def _hash(*parts: object) -> int:
+    """A stable 64-bit hash of ``parts`` (independent of PYTHONHASHSEED)."""
+    data = "\x1f".join(str(p) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A judge's decision: binary quality, the detected style (or None) and why."""
+
+    quality: bool
+    style: str | None
+    reason: str
+
+
+def detect_style(text: str) -> str | None:
+    """The declared ``[style]`` tag if the body uses more of its markers than of any other."""
+    m = _TAG.match(text)
+    if m is None or m.group(1).lower() not in STYLES:
+        return None
+    tag = m.group(1).lower()
+    words = _WORD.findall(m.group(2).lower())
+    counts = {s: sum(w in MARKERS[s] for w in words) for s in STYLES}
+    best_other = max(c for s, c in counts.items() if s != tag)
+    return tag if counts[tag] >= 1 and counts[tag] > best_other else None
+
+
+def judge_text(
+    text: str, topic: str, *, min_words: int = 4, max_words: int = 30, max_chars: int = 240
+) -> Verdict:
+    """The built-in deterministic judge: quality checks in order, then the style."""
+    style = detect_style(text)
+    m = _TAG.match(text)
+    if m is None or m.group(1).lower() not in STYLES:
+        return Verdict(False, style, "no style tag")
+    body = m.group(2).strip()
+    words = _WORD.findall(body.lower())
+    if not min_words <= len(words) <= max_words or len(body) > max_chars:
+        return Verdict(False, style, f"length {len(words)} words, {len(body)} chars")
+    if not all(line.isprintable() for line in body.splitlines()):
+        return Verdict(False, style, "unprintable characters")
+    top = max(words.count(w) for w in set(words))
+    if top > 3 or len(set(words)) < 0.5 * len(words):
+        return Verdict(False, style, "repetition")
+    if re.search(rf"\b{re.escape(topic)}\b", body, re.IGNORECASE) is None:
+        return Verdict(False, style, "off topic")
+    return Verdict(True, style, "ok")
+
+
+def preferred_style(schedule: Sequence[tuple[int, str]], step: int) -> str:
+    """The style of the last schedule entry whose start step is ``<= step``."""
+    style = schedule[0][1]
+    for start, s in schedule:
+        if start <= step:
+            style = s
+    return style
+
+
+def _validate_schedule(schedule: Sequence[Sequence[object]]) -> tuple[tuple[int, str], ...]:
+    """Normalise a schedule to ``((start_step, style), ...)`` or raise naming the fix."""
+    out: list[tuple[int, str]] = []
+    for entry in schedule:
+        if len(entry) != 2 or not isinstance(entry[0], int) or entry[1] not in STYLES:
+            raise ValueError(
+                f"StyleShiftTask option schedule: entry {entry!r} must be (start_step, style) "
+                f"with style in {STYLES}"
+            )
+        out.append((int(entry[0]), str(entry[1])))
+    starts = [s for s, _ in out]
+    if not out or starts[0] != 0 or any(b <= a for a, b in itertools.pairwise(starts)):
+        raise ValueError(
+            "StyleShiftTask option schedule: start steps must begin at 0 and increase strictly, "
+            f"got {starts}"
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class BuiltinJudge:
+    """The deterministic judge (:func:`judge_text`) with its length bounds."""
+
+    min_words: int = 4
+    max_words: int = 30
+    max_chars: int = 240
+
+    async def judge(self, topic: str, text: str) -> Verdict:
+        """Judge ``text`` written about ``topic``."""
+        return judge_text(
+            text,
+            topic,
+            min_words=self.min_words,
+            max_words=self.max_words,
+            max_chars=self.max_chars,
+        )
+
+
+@dataclass(frozen=True)
+class OpenAIJudge:
+    """An LLM judge behind an OpenAI-compatible ``/chat/completions`` endpoint.
+
+    The API key is read from the environment variable ``api_key_env`` at call
+    time (no header when unset). Errors never raise: they give a failing
+    verdict whose reason records the error.
+    """
+
+    base_url: str
+    model: str
+    api_key_env: str = "OPENAI_API_KEY"
+    timeout_s: float = 30.0
+
+    async def judge(self, topic: str, text: str) -> Verdict:
+        """Ask the endpoint for quality and style; any failure is a zero verdict."""
+        try:
+            reply = await asyncio.to_thread(self._request, topic, text)
+            return _parse_judge_reply(reply)
+        except Exception as err:  # network, HTTP, JSON or schema errors all score 0
+            return Verdict(False, None, f"judge error: {type(err).__name__}: {err}"[:300])
+
+    def _request(self, topic: str, text: str) -> str:
+        payload = {
+            "model": self.model,
+            "temperature": 0,
+            "messages": [
+                {"role": "system", "content": JUDGE_PROMPT},
+                {"role": "user", "content": f"topic: {topic}\ntext: {text}"},
+            ],
+        }
+        headers = {"Content-Type": "application/json"}
+        key = os.environ.get(self.api_key_env, "")
+        if key:
+            headers["Authorization"] = f"Bearer {key}"
+        url = self.base_url.rstrip("/") + "/chat/completions"
+        req = urllib.request.Request(url, json.dumps(payload).encode(), headers, method="POST")
+        host = urllib.parse.urlparse(url).hostname or ""
+        # Local endpoints bypass any proxy configured in the environment.
+        proxy = urllib.request.ProxyHandler({} if host in ("127.0.0.1", "localhost") else None)
+        with urllib.request.build_opener(proxy).open(req, timeout=self.timeout_s) as resp:
+            data = json.loads(resp.read(1_000_000).decode())
+        return str(data["choices"][0]["message"]["content"])
+
+
+def _parse_judge_reply(reply: str) -> Verdict:
+    """Read ``{"quality": 0|1, "style": ...}`` from a judge reply."""
+    m = re.search(r"\{.*\}", reply, re.DOTALL)
+    if m is None:
+        return Verdict(False, None, f"judge reply has no JSON object: {reply[:100]!r}")
+    obj = json.loads(m.group(0))
+    quality = obj["quality"] in (1, True, "1")
+    style = str(obj.get("style", "none")).strip().lower()
+    return Verdict(quality, style if style in STYLES else None, "llm judge")
+
+
+Judge = BuiltinJudge | OpenAIJudge
+
+
+class StyleShiftEnv:
+    """One writing episode judged against a fixed preferred style."""
+
+    def __init__(
+        self, topic: str, preferred: str, *, judge: Judge, max_turns: int = 1, system: bool = False
+    ) -> None:
+        self.topic = topic
+        self.preferred = preferred
+        self.judge = judge
+        self.max_turns = max_turns
+        self.system = system
+        self.turns = 0
+        self.text: str | None = None
+        self.verdict: Verdict | None = None
+        self.done = False
+
+    @property
+    def prompt(self) -> str:
+        """The first user message."""
+        return f"write about {self.topic}"
+
+    def first_observation(self) -> Observation:
+        """What ``reset`` returns: the prompt, after the system message if enabled."""
+        if self.system:
+            return (Message("system", SYSTEM_PROMPT), Message("user", self.prompt))
+        return self.prompt
+
+    async def reset(self, seed: int) -> Observation:
+        """Start the episode; the topic is fixed, ``seed`` is unused."""
+        self.turns = 0
+        self.text = self.verdict = None
+        self.done = False
+        return self.first_observation()
+
+    async def step(self, action: str) -> StepResult:
+        """Judge the written text; an untagged text is retried while turns remain."""
+        if self.done:
+            return StepResult(None, done=True, info={"error": "episode is over"})
+        self.turns += 1
+        tag = _TAG.match(action)
+        if (tag is None or tag.group(1).lower() not in STYLES) and self.turns < self.max_turns:
+            return StepResult(FORMAT_HINT, info={"turns": self.turns, "wasted": 1})
+        self.text = action[:_MAX_TEXT]
+        self.done = True
+        self.verdict = await self.judge.judge(self.topic, self.text)
+        info: dict[str, float | int | str] = {
+            "quality": int(self.verdict.quality),
+            "style": self.verdict.style or "none",
+            "preferred": self.preferred,
+            "reason": self.verdict.reason,
+        }
+        return StepResult(None, done=True, info=info)
+
+    def score(self) -> float:
+        """quality x (detected style == preferred style); 0 when nothing was judged."""
+        v = self.verdict
+        return 1.0 if v is not None and v.quality and v.style == self.preferred else 0.0
+
+
+class StyleShiftTask:
+    """The writing task whose preferred style shifts with training (``StepAware``).
+
+    ``schedule`` lists ``(start_step, style)``; ``judge`` is ``"builtin"`` or
+    ``"openai"`` (then ``judge_base_url`` and ``judge_model`` are required).
+    ``max_turns > 1`` lets the policy retry an untagged text after a format
+    hint. ``error_rate`` is the share of flawed demonstrations.
+    """
+
+    name = "style_shift"
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        schedule: Sequence[tuple[int, str]] = DEFAULT_SCHEDULE,
+        eval_size: int = 200,
+        min_words: int = 4,
+        max_words: int = 30,
+        max_chars: int = 240,
+        max_turns: int = 1,
+        error_rate: float = 0.3,
+        system: bool = False,
+        judge: str = "builtin",
+        judge_base_url: str = "",
+        judge_model: str = "",
+        judge_api_key_env: str = "OPENAI_API_KEY",
+        judge_timeout_s: float = 30.0,
+    ) -> None:
+        self.schedule = _validate_schedule(schedule)
+        _check(
+            1 <= min_words <= max_words, "min_words/max_words", "need 1 <= min_words <= max_words"
+        )
+        _check(max_chars >= 8, "max_chars", "use 8 or more")
+        _check(max_turns >= 1, "max_turns", "use 1 or more")
+        _check(eval_size >= 1, "eval_size", "use 1 or more")
+        _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
+        self.judge: Judge
+        if judge == "builtin":
+            self.judge = BuiltinJudge(min_words, max_words, max_chars)
+        elif judge == "openai":
+            _check(
+                judge_base_url.startswith(("http://", "https://")),
+                "judge_base_url",
+                "give the endpoint, e.g. http://127.0.0.1:8000/v1",
+            )
+            _check(bool(judge_model), "judge_model", "name the judge model")
+            _check(judge_timeout_s > 0, "judge_timeout_s", "use a positive number of seconds")
+            self.judge = OpenAIJudge(
+                judge_base_url, judge_model, judge_api_key_env, judge_timeout_s
+            )
+        else:
+            raise ValueError(
+                f"StyleShiftTask option judge: use 'builtin' or 'openai', got {judge!r}"
+            )
+        self.seed = seed
+        self._eval_size = eval_size
+        self.max_turns = max_turns
+        self.error_rate = error_rate
+        self.system = system
+        self.train_step = 0
+        phrases = [f"{a} {n}" for a in ADJECTIVES for n in NOUNS]
+        self.topics: dict[str, list[str]] = {
+            split: [p for p in phrases if self.split_of(p) == split] for split in ("train", "eval")
+        }
+
+    @property
+    def eval_size(self) -> int:
+        """Number of held-out problems."""
+        return self._eval_size
+
+    @property
+    def preferred(self) -> str:
+        """The style preferred at the current training step."""
+        return preferred_style(self.schedule, self.train_step)
+
+    def set_train_step(self, step: int) -> None:
+        """Record training progress; envs made afterwards judge with its preference."""
+        self.train_step = step
+
+    def split_of(self, topic: str) -> Split:
+        """The split a topic phrase belongs to (a pure function of the phrase)."""
+        return "eval" if _hash(self.seed, "split", topic) % EVAL_SHARE == 0 else "train"
+
+    def topic(self, split: Split, index: int) -> str:
+        """Topic of problem ``index``: hashed for train, cycled evenly for eval."""
+        if split not in ("train", "eval"):
+            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+        if index < 0:
+            raise ValueError(f"index must be >= 0, got {index}")
+        pool = self.topics[split]
+        i = index if split == "eval" else _hash(self.seed, split, index)
+        return pool[i % len(pool)]
+
+    def make_env(self, split: Split, index: int) -> StyleShiftEnv:
+        """A fresh environment judged with the current preferred style."""
+        return self._env(self.topic(split, index), self.preferred)
+
+    def make_eval_env(self, index: int, style: str) -> StyleShiftEnv:
+        """Held-out problem ``index`` judged against ``style`` (per-style evaluation)."""
+        if style not in STYLES:
+            raise ValueError(f"style must be one of {STYLES}, got {style!r}")
+        return self._env(self.topic("eval", index), style)
+
+    def _env(self, topic: str, preferred: str) -> StyleShiftEnv:
+        return StyleShiftEnv(
+            topic, preferred, judge=self.judge, max_turns=self.max_turns, system=self.system
+        )
+
+    def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:
+        """``n`` single-turn texts in uniformly chosen styles; ``error_rate`` of
+        them are flawed (off topic, too short, repetitive, mismatched or untagged)."""
+        if n < 0:
+            raise ValueError(f"n must be >= 0, got {n}")
+        rng = random.Random(_hash(self.seed, "demos", seed))
+        out: list[Conversation] = []
+        for _ in range(n):
+            env = self._env(self.topic("train", rng.randrange(10**9)), self.preferred)
+            msgs = [Message("system", SYSTEM_PROMPT)] if self.system else []
+            msgs.append(Message("user", env.prompt))
+            out.append((*msgs, Message("assistant", self._demo_text(env.topic, rng))))
+        return out
+
+    def _demo_text(self, topic: str, rng: random.Random) -> str:
+        style = rng.choice(STYLES)
+        body = rng.choice(TEMPLATES[style]).format(t=topic)
+        if rng.random() >= self.error_rate:
+            return f"[{style}] {body}"
+        flaw = rng.choice(("off_topic", "short", "repeat", "mismatch", "untagged"))
+        if flaw == "off_topic":
+            other = rng.choice([t for t in self.topics["train"] if t != topic])
+            return f"[{style}] " + rng.choice(TEMPLATES[style]).format(t=other)
+        if flaw == "short":
+            return f"[{style}] {topic}!"
+        if flaw == "repeat":
+            word = rng.choice(sorted(MARKERS[style]))
+            return f"[{style}] {topic} " + " ".join([word] * 6)
+        if flaw == "mismatch":
+            return f"[{rng.choice([s for s in STYLES if s != style])}] {body}"
+        return body
+
+
+def _check(ok: bool, option: str, fix: str) -> None:
+    """Raise a ``ValueError`` naming ``option`` when ``ok`` is false."""
+    if not ok:
+        raise ValueError(f"StyleShiftTask option {option}: {fix}")

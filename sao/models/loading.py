@@ -1,0 +1,105 @@
+"""Loading causal language models and tokenizers from local directories.
+
+Only local directories are read (``local_files_only=True``): the Hugging Face
+hub is never contacted at run time. A model that is not on disk yet must be
+downloaded beforehand, or built in code (:mod:`sao.models.tiny`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+__all__ = ["ModelLoadError", "load_config", "load_policy", "load_tokenizer"]
+
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class ModelLoadError(ValueError):
+    """A model or tokenizer directory that cannot be used, with the fix in the message."""
+
+
+def _local_dir(path: str | os.PathLike[str], what: str) -> Path:
+    """``path`` as a Path if it is an existing local directory, else a clear error."""
+    p = Path(path).expanduser()
+    if not p.is_dir():
+        state = "is a file, not a directory" if p.exists() else "does not exist"
+        raise ModelLoadError(
+            f"{what}: path {str(path)!r} {state}. Models and tokenizers are loaded only from "
+            "local directories (local_files_only=True; the Hugging Face hub is never used). "
+            "Fix: download it first (e.g. `hf download ORG/NAME --local-dir DIR`) and pass "
+            "DIR, or build a tiny model in code with sao.models.build_tiny_policy"
+        )
+    return p
+
+
+def load_config(path: str | os.PathLike[str]) -> PretrainedConfig:
+    """Read the ``config.json`` of a local model directory (no weights)."""
+    p = _local_dir(path, "load_config")
+    if not (p / "config.json").is_file():
+        raise ModelLoadError(
+            f"load_config: {str(p)!r} has no config.json, so it is not a Hugging Face model "
+            "directory. Fix: pass the directory written by save_pretrained (the one holding "
+            "config.json and *.safetensors)"
+        )
+    try:
+        return AutoConfig.from_pretrained(p, local_files_only=True)
+    except (ValueError, KeyError, OSError, json.JSONDecodeError) as err:
+        raise ModelLoadError(f"load_config: cannot read {str(p / 'config.json')!r}: {err}") from err
+
+
+def load_policy(
+    path: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    """Load a causal LM (``AutoModelForCausalLM``) from a local directory.
+
+    Raises :class:`ModelLoadError` when ``path`` is not a local directory,
+    holds no ``config.json``, or holds a model that is not a causal LM.
+    """
+    config = load_config(path)
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        archs = getattr(config, "architectures", None) or []
+        raise ModelLoadError(
+            f"load_policy: {str(path)!r} holds a {config.model_type!r} model "
+            f"(architectures={archs}), which is not a causal language model. Fix: pass a "
+            "decoder-only checkpoint (e.g. Llama, Qwen2/3, Mistral, Gemma, GPT-2)"
+        )
+    model = AutoModelForCausalLM.from_pretrained(
+        Path(path).expanduser(), config=config, dtype=dtype, local_files_only=True
+    )
+    return model.to(device)  # type: ignore[arg-type]  # transformers' typing of .to
+
+
+def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:
+    """Load a tokenizer (``AutoTokenizer``) from a local directory."""
+    p = _local_dir(path, "load_tokenizer")
+    if not any((p / name).is_file() for name in _TOKENIZER_FILES):
+        raise ModelLoadError(
+            f"load_tokenizer: {str(p)!r} has none of the tokenizer files {list(_TOKENIZER_FILES)}. "
+            "Fix: pass the directory written by tokenizer.save_pretrained, or build one with "
+            "sao.models.build_char_tokenizer / train_bpe_tokenizer and save it there"
+        )
+    try:
+        return AutoTokenizer.from_pretrained(p, local_files_only=True)
+    except (ValueError, OSError, KeyError) as err:
+        raise ModelLoadError(
+            f"load_tokenizer: {str(p)!r} holds no loadable tokenizer ({err}). Fix: pass the "
+            "directory written by tokenizer.save_pretrained (tokenizer.json, "
+            "tokenizer_config.json)"
+        ) from err

@@ -1,0 +1,191 @@
+"""Turning environment observations into token ids for the agent loop.
+
+Token in, token out (ARCHITECTURE.md, contracts): the history is a list of
+token ids that only ever grows. The first observation is tokenized once; each
+later observation is tokenized once and appended; the policy's own tokens are
+the sampled ids, never decoded and re-encoded.
+
+With a chat template, a later observation is tokenized as the text the
+template puts *after* the last assistant reply: render the conversation
+``[history..., assistant: PLACEHOLDER, new observation messages...]`` with
+``add_generation_prompt=True`` and keep the string after the placeholder.
+For a template that renders every turn independently (ChatML) this is exactly
+``render(history + new, add_generation_prompt=True)`` minus
+``render(history)`` with the assistant's closing text in front; the
+placeholder (instead of the real reply) also keeps templates that rewrite
+earlier turns (e.g. drop an earlier reply's reasoning) from breaking the
+split. That suffix starts with the assistant turn's closing text
+(``<|im_end|>\\n`` in ChatML):
+
+- the reply ended with a stop token whose text opens the closing text (the
+  engine sampled ``<|im_end|>``): that part is already in the history as an
+  action token and is removed from the suffix, never duplicated;
+- the reply was cut (``max_new_tokens``) or stopped on something else: the
+  whole closing text is tokenized as part of the observation, so the history
+  still reads as a well-formed conversation; those tokens are not actions.
+
+Without a chat template, observation text is tokenized as is (message
+contents joined by newlines) and appended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from sao.types import CompletionFinish, Message, Observation
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+__all__ = [
+    "ObservationError",
+    "decode_reply",
+    "encode_first_observation",
+    "encode_next_observation",
+    "has_chat_template",
+    "split_observation",
+    "validate_observation",
+]
+
+REPLY_PLACEHOLDER = "SAOREPLYPLACEHOLDER7c1f"
+"""Stands in for the last assistant reply when rendering the chat template."""
+
+
+class ObservationError(ValueError):
+    """An environment returned an observation the agent loop cannot use."""
+
+
+def has_chat_template(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """True when ``tokenizer.chat_template`` is a non-empty template."""
+    template = getattr(tokenizer, "chat_template", None)
+    return bool(template)
+
+
+def validate_observation(obs: object, *, vocab_size: int, where: str) -> Observation:
+    """``obs`` as an :data:`~sao.types.Observation` (lists become tuples), or
+    an :class:`ObservationError` naming ``where`` and what was wrong."""
+    if isinstance(obs, str):
+        return obs
+    if isinstance(obs, (tuple, list)):
+        items = tuple(obs)
+        if all(isinstance(m, Message) for m in items):
+            return items  # also the empty tuple: no new message
+        if all(isinstance(i, int) and not isinstance(i, bool) for i in items):
+            bad = [i for i in items if not 0 <= i < vocab_size]
+            if bad:
+                raise ObservationError(
+                    f"{where} returned token ids outside the vocabulary [0, {vocab_size}): "
+                    f"{bad[:5]}"
+                )
+            return items
+        kinds = sorted({type(i).__name__ for i in items})
+        raise ObservationError(
+            f"{where} returned a sequence of {kinds}; an observation is text (str), a tuple "
+            "of sao.types.Message, or a tuple of int token ids"
+        )
+    raise ObservationError(
+        f"{where} returned {type(obs).__name__}; an observation is text (str), a tuple of "
+        "sao.types.Message, or a tuple of int token ids"
+    )
+
+
+def split_observation(obs: Observation) -> tuple[list[int] | None, tuple[Message, ...]]:
+    """``(ids, ())`` for token ids, else ``(None, messages)``: plain text is
+    one ``user`` message; messages are kept as they are."""
+    if isinstance(obs, str):
+        return None, (Message("user", obs),)
+    ids = [i for i in obs if isinstance(i, int)]
+    if ids:
+        return ids, ()
+    return None, tuple(m for m in obs if isinstance(m, Message))
+
+
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], *, where: str) -> str:
+    """The chat template applied to ``messages`` with a generation prompt."""
+    try:
+        text = tokenizer.apply_chat_template(
+            [m.as_dict() for m in messages], tokenize=False, add_generation_prompt=True
+        )
+    except Exception as err:  # the template rejects the env's messages (e.g. a role)
+        raise ObservationError(
+            f"{where}: the chat template rejected the messages: {type(err).__name__}: {err}"
+        ) from err
+    if not isinstance(text, str):
+        raise TypeError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}")
+    return text
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, *, special: bool) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=special))
+
+
+def decode_reply(
+    tokenizer: PreTrainedTokenizerBase, ids: Sequence[int], *, skip_special_tokens: bool = True
+) -> str:
+    """The text of sampled ids ``[N]`` (special tokens dropped by default);
+    used only to show a reply to the environment, never to re-encode it."""
+    text = tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+    if not isinstance(text, str):
+        raise TypeError(f"tokenizer.decode returned {type(text).__name__}, expected str")
+    return text
+
+
+def encode_first_observation(
+    tokenizer: PreTrainedTokenizerBase, obs: Observation
+) -> tuple[list[int], list[Message]]:
+    """Prompt ids ``[P]`` for the first observation and the chat history it starts.
+
+    Token ids are kept verbatim. With a chat template, messages are rendered
+    with ``add_generation_prompt=True`` and the text is tokenized once without
+    extra special tokens (the template writes them). Without one, the text
+    (message contents joined by newlines) is tokenized with the tokenizer's
+    own special tokens (e.g. a BOS).
+    """
+    ids, messages = split_observation(obs)
+    if ids is not None:
+        return ids, []
+    if not messages:
+        raise ObservationError("Env.reset returned an empty observation; the prompt needs text")
+    if has_chat_template(tokenizer):
+        text = _render(tokenizer, messages, where="Env.reset")
+        return _encode(tokenizer, text, special=False), list(messages)
+    text = "\n".join(m.content for m in messages)
+    return _encode(tokenizer, text, special=True), list(messages)
+
+
+def encode_next_observation(
+    tokenizer: PreTrainedTokenizerBase,
+    history: Sequence[Message],
+    reply_ids: Sequence[int],
+    reply_finish: CompletionFinish,
+    obs: Observation,
+) -> list[int]:
+    """Ids ``[O]`` to append after an assistant reply (see the module docstring).
+
+    ``history`` is the chat so far, without the reply; ``reply_ids`` are the
+    reply's sampled ids and ``reply_finish`` why its generation ended. Token
+    ids are appended verbatim (the environment owns them exactly).
+    """
+    ids, messages = split_observation(obs)
+    if ids is not None:
+        return ids
+    if not has_chat_template(tokenizer):
+        text = "\n".join(m.content for m in messages)
+        return _encode(tokenizer, text, special=False)
+    convo = [*history, Message("assistant", REPLY_PLACEHOLDER), *messages]
+    rendered = _render(tokenizer, convo, where="Env.step")
+    if rendered.count(REPLY_PLACEHOLDER) != 1:
+        raise ValueError(
+            "the tokenizer's chat template must render an earlier assistant reply verbatim "
+            f"exactly once; rendering one as {REPLY_PLACEHOLDER!r} produced it "
+            f"{rendered.count(REPLY_PLACEHOLDER)} times. Fix: use a template that keeps "
+            "assistant content, or have the environment return token ids"
+        )
+    suffix = rendered[rendered.index(REPLY_PLACEHOLDER) + len(REPLY_PLACEHOLDER) :]
+    if reply_finish == "stop" and reply_ids:
+        # The sampled stop token (e.g. <|im_end|>) already closes the turn.
+        stop_text = decode_reply(tokenizer, reply_ids[-1:], skip_special_tokens=False)
+        if stop_text and suffix.startswith(stop_text):
+            suffix = suffix[len(stop_text) :]
+    return _encode(tokenizer, suffix, special=False)

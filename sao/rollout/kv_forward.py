@@ -1,0 +1,317 @@
+"""Cached forward passes for the embedded engine.
+
+:class:`StaticKVForward` is a compact decoder forward for the Llama family
+(Llama, Qwen2, Qwen3 with q/k norm, Mistral) over a preallocated KV cache of
+static slots, ``k_cache``/``v_cache`` of shape ``[layers, slots, kv_heads,
+max_seq_len, head_dim]``. It reuses the Hugging Face model's own modules and
+weights (embeddings, norms, projections, MLPs, rotary embedding, lm head), so an
+in-place weight copy into the model is all a weight update needs.
+
+:class:`DynamicCacheForward` is the fallback for every other causal LM: the
+model's own forward with one ``DynamicCache`` per request, one request at a
+time. It is correct for any architecture the model's forward is correct for,
+but does not batch the decode step, so it is much slower.
+
+Both expose the same three calls: ``prefill`` (write a slot's cache from a full
+sequence, return the logits at its last position), ``decode`` (feed one token
+per slot at its position, return the next-token logits) and ``release``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+class CachedForward(Protocol):
+    """What the engine needs from a cached forward pass."""
+
+    def prefill(self, slots: Sequence[int], seqs: Sequence[Sequence[int]]) -> torch.Tensor: ...
+
+    def decode(
+        self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]
+    ) -> torch.Tensor: ...
+
+    def release(self, slot: int) -> None: ...
+
+    def move(self, src: int, dst: int, length: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def supports_static_kv(model: nn.Module) -> bool:
+    """True when ``model`` is a Llama-family decoder :class:`StaticKVForward` can run."""
+    config = getattr(model, "config", None)
+    backbone = getattr(model, "model", None)
+    if getattr(config, "model_type", None) not in STATIC_KV_MODEL_TYPES or backbone is None:
+        return False
+    needed = ("embed_tokens", "layers", "norm", "rotary_emb")
+    if not all(hasattr(backbone, name) for name in needed) or not hasattr(model, "lm_head"):
+        return False
+    attn = backbone.layers[0].self_attn
+    return all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"))
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x_NHTD: torch.Tensor, cos_NTD: torch.Tensor, sin_NTD: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding (Su et al. 2021, RoFormer, eq. 34), HF's rotate-half layout."""
+    cos, sin = cos_NTD.unsqueeze(1), sin_NTD.unsqueeze(1)
+    return x_NHTD * cos + _rotate_half(x_NHTD) * sin
+
+
+def _layer_windows(model: nn.Module) -> list[int | None]:
+    """Sliding-window size of each layer (None = full causal attention)."""
+    config = cast(Any, model).config
+    layers = cast(Any, model).model.layers
+    layer_types = getattr(config, "layer_types", None)
+    windows: list[int | None] = []
+    for i, layer in enumerate(layers):
+        attn = layer.self_attn
+        if hasattr(attn, "sliding_window"):
+            windows.append(attn.sliding_window)
+        elif layer_types is not None:
+            sliding = layer_types[i] == "sliding_attention"
+            windows.append(config.sliding_window if sliding else None)
+        else:
+            windows.append(getattr(config, "sliding_window", None))
+    return windows
+
+
+class StaticKVForward:
+    """Batched cached forward for Llama-family decoders over static KV slots.
+
+    Shapes: N rows in a call, T positions, H query heads, K kv heads, D head
+    dim, C hidden size, S = ``max_seq_len``. Grouped-query attention runs
+    without copying keys: the H = K * R query heads are folded into the query
+    axis (``[N, K, R*T, D]``) against ``[N, K, S, D]`` keys, which is the same
+    arithmetic as repeating each kv head R times.
+    """
+
+    def __init__(self, model: nn.Module, *, max_batch_size: int, max_seq_len: int) -> None:
+        if not supports_static_kv(model):
+            raise ValueError(
+                f"StaticKVForward supports model types {STATIC_KV_MODEL_TYPES}, got "
+                f"{getattr(model.config, 'model_type', None)!r}; use DynamicCacheForward"
+            )
+        # HF modules are reached by attribute name; typed Any for that reason.
+        self.model = cast(Any, model)
+        self.backbone = self.model.model
+        attn = self.backbone.layers[0].self_attn
+        config = self.model.config
+        self.head_dim = int(attn.head_dim)
+        self.n_heads = int(config.num_attention_heads)
+        self.n_kv = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
+        self.rep = self.n_heads // self.n_kv
+        self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
+        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
+        self.windows = _layer_windows(model)
+        self.max_seq_len = max_seq_len
+        weight = self.backbone.embed_tokens.weight
+        shape = (len(self.backbone.layers), max_batch_size, self.n_kv, max_seq_len, self.head_dim)
+        self.k_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        self.v_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_cache.device
+
+    def _qkv(
+        self, layer: Any, x_NTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Projected, normed and rotated ``q [N,H,T,D]``, ``k, v [N,K,T,D]``."""
+        attn = layer.self_attn
+        N, T, _ = x_NTC.shape
+        q = attn.q_proj(x_NTC).view(N, T, self.n_heads, self.head_dim)
+        k = attn.k_proj(x_NTC).view(N, T, self.n_kv, self.head_dim)
+        v = attn.v_proj(x_NTC).view(N, T, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+    def _attend(
+        self,
+        q_NHTD: torch.Tensor,
+        k_NKSD: torch.Tensor,
+        v_NKSD: torch.Tensor,
+        mask_N1TS: torch.Tensor,
+    ) -> torch.Tensor:
+        """Masked attention with kv heads shared by R query heads; returns ``[N, T, H*D]``."""
+        N, H, T, D = q_NHTD.shape
+        q = q_NHTD.reshape(N, self.n_kv, self.rep * T, D)
+        mask = mask_N1TS
+        if self.rep > 1:
+            mask = (
+                mask_N1TS.unsqueeze(2).expand(N, 1, self.rep, T, -1).reshape(N, 1, self.rep * T, -1)
+            )
+        out = F.scaled_dot_product_attention(q, k_NKSD, v_NKSD, attn_mask=mask, scale=self.scale)
+        return out.view(N, H, T, D).transpose(1, 2).reshape(N, T, H * D)
+
+    def _layers(
+        self,
+        h_NTC: torch.Tensor,
+        pos_NT: torch.Tensor,
+        kv_io: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+        masks: dict[int | None, torch.Tensor],
+    ) -> torch.Tensor:
+        """Run every decoder layer; ``kv_io(i, k, v)`` stores the new keys and
+        returns those to attend over. Returns the final-normed hidden states."""
+        cos, sin = self.backbone.rotary_emb(h_NTC, pos_NT)
+        for i, layer in enumerate(self.backbone.layers):
+            x = layer.input_layernorm(h_NTC)
+            q, k, v = self._qkv(layer, x, cos, sin)
+            k_all, v_all = kv_io(i, k, v)
+            attn_out = self._attend(q, k_all, v_all, masks[self.windows[i]])
+            h_NTC = h_NTC + layer.self_attn.o_proj(attn_out)
+            h_NTC = h_NTC + layer.mlp(layer.post_attention_layernorm(h_NTC))
+        return self.backbone.norm(h_NTC)
+
+    def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor) -> dict:
+        """Boolean masks ``[N, 1, Tq, Tk]`` per window size: causal, valid keys,
+        and ``q - k < window`` (HF ``sliding_window_overlay``)."""
+        base = (k_pos <= q_pos) & valid
+        masks: dict[int | None, torch.Tensor] = {}
+        for w in set(self.windows):
+            masks[w] = (base if w is None else base & (k_pos > q_pos - w)).unsqueeze(1)
+        return masks
+
+    @torch.no_grad()
+    def prefill(self, slots: Sequence[int], seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Write each slot's cache from positions ``0..len-1`` of its sequence.
+
+        Returns ``logits_NV`` at each sequence's last position (model dtype).
+        """
+        dev = self.device
+        lens = [len(s) for s in seqs]
+        N, T = len(seqs), max(lens)
+        ids_NT = torch.zeros((N, T), dtype=torch.long)
+        for n, s in enumerate(seqs):
+            ids_NT[n, : len(s)] = torch.as_tensor(s, dtype=torch.long)
+        ids_NT = ids_NT.to(dev)
+        len_N = torch.tensor(lens, device=dev)
+        slot_N = torch.tensor(list(slots), device=dev)
+        pos_T = torch.arange(T, device=dev)
+        pos_NT = pos_T.expand(N, T)
+        masks = self._masks(
+            pos_T.view(1, T, 1), pos_T.view(1, 1, T), pos_T.view(1, 1, T) < len_N.view(N, 1, 1)
+        )
+
+        def kv_io(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self.k_cache[i, slot_N, :, :T] = k
+            self.v_cache[i, slot_N, :, :T] = v
+            return k, v
+
+        h_NTC = self._layers(self.backbone.embed_tokens(ids_NT), pos_NT, kv_io, masks)
+        last_NC = h_NTC[torch.arange(N, device=dev), len_N - 1]
+        return self.model.lm_head(last_NC)
+
+    @torch.no_grad()
+    def decode(
+        self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]
+    ) -> torch.Tensor:
+        """Feed ``tokens[n]`` at ``positions[n]`` of slot ``slots[n]``; returns
+        next-token ``logits_NV`` in the order of ``slots``.
+
+        Runs over the contiguous slot range ``[0, max(slots)]`` so the cache is
+        read as a view, never gathered; free slots in that range compute on a
+        dummy token at position 0 and are discarded.
+        """
+        dev = self.device
+        hi = max(slots) + 1
+        ids = [0] * hi
+        pos = [0] * hi
+        for s, t, p in zip(slots, tokens, positions, strict=True):
+            ids[s], pos[s] = t, p
+        L = max(positions) + 1
+        ids_B1 = torch.tensor(ids, device=dev).view(hi, 1)
+        pos_B1 = torch.tensor(pos, device=dev).view(hi, 1)
+        k_pos = torch.arange(L, device=dev).view(1, 1, L)
+        masks = self._masks(
+            pos_B1.view(hi, 1, 1), k_pos, torch.ones((), dtype=torch.bool, device=dev)
+        )
+        index = pos_B1.view(hi, 1, 1, 1).expand(hi, self.n_kv, 1, self.head_dim)
+
+        def kv_io(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k_view, v_view = self.k_cache[i, :hi], self.v_cache[i, :hi]
+            k_view.scatter_(2, index, k)
+            v_view.scatter_(2, index, v)
+            return k_view[:, :, :L], v_view[:, :, :L]
+
+        h_B1C = self._layers(self.backbone.embed_tokens(ids_B1), pos_B1, kv_io, masks)
+        logits_BV = self.model.lm_head(h_B1C[:, 0])
+        if len(slots) == hi and list(slots) == list(range(hi)):
+            return logits_BV
+        return logits_BV[torch.tensor(list(slots), device=dev)]
+
+    def release(self, slot: int) -> None:
+        """Nothing to free: a slot's stale entries are masked by position."""
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` cached positions of slot ``src`` into ``dst``."""
+        self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
+        self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
+
+    def close(self) -> None:
+        """Free the cache memory; the object cannot run afterwards."""
+        self.k_cache = self.v_cache = torch.empty(0)
+
+
+class DynamicCacheForward:
+    """Fallback for any causal LM: the model's own forward with one HF
+    ``DynamicCache`` per slot, one request at a time (correct, not batched)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = cast(Any, model)
+        self.device = next(model.parameters()).device
+        self._caches: dict[int, object] = {}
+        # transformers 5 renamed ``past_key_values`` to ``cache``.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    @torch.no_grad()
+    def prefill(self, slots: Sequence[int], seqs: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run each sequence from scratch; returns ``logits_NV`` at its last position."""
+        rows = []
+        for slot, seq in zip(slots, seqs, strict=True):
+            ids = torch.as_tensor([list(seq)], dtype=torch.long, device=self.device)
+            out = self.model(input_ids=ids, use_cache=True)
+            self._caches[slot] = out[self._cache_kw]
+            rows.append(out.logits[0, -1])
+        return torch.stack(rows)
+
+    @torch.no_grad()
+    def decode(
+        self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]
+    ) -> torch.Tensor:
+        """Feed one token per slot on top of its cache; returns ``logits_NV``."""
+        rows = []
+        for slot, token in zip(slots, tokens, strict=True):
+            ids = torch.tensor([[token]], dtype=torch.long, device=self.device)
+            kwargs = {self._cache_kw: self._caches[slot]}
+            out = self.model(input_ids=ids, use_cache=True, **kwargs)
+            self._caches[slot] = out[self._cache_kw]
+            rows.append(out.logits[0, -1])
+        return torch.stack(rows)
+
+    def release(self, slot: int) -> None:
+        """Drop the slot's cache."""
+        self._caches.pop(slot, None)
+
+    def move(self, src: int, dst: int, length: int) -> None:
+        """Hand slot ``src``'s cache to ``dst``."""
+        self._caches[dst] = self._caches.pop(src)
+
+    def close(self) -> None:
+        """Drop every cache."""
+        self._caches.clear()

@@ -1,0 +1,319 @@
+"""The ``sao train`` recipe: compose task, policy, critic, engine, trainer and
+the asynchronous orchestrator from a :class:`~sao.config.Config`."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import yaml
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from sao.config import Config, ConfigError, to_dict, validate
+from sao.envs.base import Task
+from sao.envs.latency import LatencyWrapper
+from sao.envs.registry import make_task
+from sao.models.freeze import freeze_attention
+from sao.models.loading import load_policy, load_tokenizer
+from sao.models.value import ValueModel
+from sao.rollout.agent import EpisodeLimits
+from sao.rollout.check import check_logprobs
+from sao.rollout.torch_engine import TorchEngine
+from sao.runtime.buffer import TrajectoryBuffer
+from sao.runtime.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from sao.runtime.evaluate import evaluate
+from sao.runtime.logging import RunLogger, summarize, write_plots
+from sao.runtime.orchestrator import Orchestrator, RolloutState
+from sao.runtime.staleness import StalenessGate
+from sao.runtime.warmstart import ensure_policy
+from sao.train.trainer import OptimSettings, Trainer
+from sao.types import SamplingParams, Trajectory
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Parts:
+    """Everything a run is made of."""
+
+    cfg: Config
+    task: Task
+    tokenizer: PreTrainedTokenizerBase
+    policy: PreTrainedModel
+    critic: ValueModel | None
+    trainer: Trainer
+    sampling: SamplingParams
+    limits: EpisodeLimits
+
+
+def build_task(cfg: Config) -> Task:
+    """The configured task, behind simulated latency if asked."""
+    try:
+        task = make_task(cfg.task.name, **{"seed": cfg.seed, **cfg.task.options})
+    except TypeError as e:
+        raise ConfigError(f"task.options: {e}") from None
+    if cfg.task.latency != "none":
+        task = LatencyWrapper(
+            task,
+            distribution=cfg.task.latency,
+            median_s=cfg.task.latency_median_s,
+            sigma=cfg.task.latency_sigma,
+            seed=cfg.seed,
+        )
+    return task
+
+
+def policy_path(cfg: Config) -> Path:
+    """The configured checkpoint, or the task's cached tiny warm-started policy."""
+    if cfg.model.path is not None:
+        return Path(cfg.model.path)
+    options = {"seed": cfg.seed, **cfg.task.options}
+    return ensure_policy(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
+
+
+def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = None) -> Parts:
+    """Load models and build the trainer. ``start_dir`` overrides the policy
+    (resume); ``task`` replaces the configured built-in task (your own env)."""
+    algo = cfg.algo.resolve()
+    dtype = DTYPES[cfg.model.dtype]
+    if task is None:
+        task = build_task(cfg)
+    elif cfg.model.path is None:
+        raise ConfigError("training your own task needs model.path (a local checkpoint)")
+    src = policy_path(cfg)
+    tokenizer = load_tokenizer(src)
+    policy = load_policy(start_dir / "policy" if start_dir else src, dtype=dtype)
+    critic = None
+    if algo.use_critic:
+        if start_dir is not None and (start_dir / "critic").is_dir():
+            critic = ValueModel.from_pretrained(start_dir / "critic", dtype=dtype)
+        else:
+            critic = ValueModel.from_policy(
+                cfg.model.critic_path or src, dtype=dtype, seed=cfg.seed
+            )
+        if algo.freeze_critic_attention:
+            freeze_attention(critic)  # before the optimizer is built (paper section 4)
+    r = cfg.rollout
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_new_tokens=r.max_new_tokens,
+    )
+    limits = EpisodeLimits(
+        max_turns=r.max_turns,
+        max_total_tokens=r.max_total_tokens,
+        step_timeout_s=r.step_timeout_s,
+        reset_timeout_s=r.step_timeout_s,
+    )
+    t = cfg.train
+    settings = OptimSettings(
+        actor_lr=t.actor_lr,
+        critic_lr=t.critic_lr,
+        critic_lr_warmup_steps=t.critic_lr_warmup_steps,
+        grad_clip=t.grad_clip,
+        token_budget=t.token_budget,
+        max_bad_steps=t.max_bad_steps,
+        temperature=r.temperature,
+        max_action_tokens=r.max_turns * r.max_new_tokens,
+    )
+    trainer = Trainer(policy, critic, algo, settings)
+    return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, limits)
+
+
+def prepare_run_dir(cfg: Config, resume: bool) -> Path:
+    """Create (or reopen, when resuming) the run directory; never mix two runs."""
+    if cfg.log.run_dir is None:
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        run_dir = Path("runs") / f"{cfg.task.name}-{cfg.algo.preset}-{stamp}"
+    else:
+        run_dir = Path(cfg.log.run_dir)
+    if resume:
+        return run_dir
+    if run_dir.exists() and any(run_dir.iterdir()):
+        raise ConfigError(
+            f"run directory {str(run_dir)!r} already holds a run; pick another log.run_dir, "
+            f"or continue it with `sao train --resume {run_dir}`"
+        )
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    return run_dir
+
+
+def train(cfg: Config, *, task: Task | None = None, resume: Path | None = None) -> Path:
+    """Run training to completion; returns the run directory.
+
+    ``task`` trains on your own :class:`~sao.envs.base.Task` instead of the
+    configured built-in one (``cfg.task`` is then only a label)."""
+    if resume is not None:
+        cfg = validate(yaml.safe_load((resume / "config.yaml").read_text()))
+        cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"run_dir": str(resume)})})
+    run_dir = prepare_run_dir(cfg, resume is not None)
+    ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
+    _seed(cfg.seed)
+    parts = build_parts(cfg, ckpt, task)
+    return asyncio.run(_run(parts, run_dir, ckpt))
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
+    cfg, algo = p.cfg, p.cfg.algo.resolve()
+    gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
+    buffer = TrajectoryBuffer(
+        gate, group_size=algo.group_size, dynamic_sampling=algo.dynamic_sampling
+    )
+    state, start_step, version = RolloutState(), 0, 0
+    if ckpt is not None:
+        saved, blob, trajs = load_state(ckpt)
+        p.trainer.load_state_dict(blob["trainer"])
+        set_rng_state(blob["rng"])
+        start_step, version = saved["step"], saved["version"]
+        state = RolloutState(next_index=saved["next_index"], restart=saved["in_flight"])
+        gate.started, gate.rejected, gate.dropped = saved["gate"]
+        for t in trajs:
+            buffer.add(t)
+    engine = TorchEngine(
+        copy.deepcopy(p.policy),
+        max_batch_size=cfg.rollout.max_batch_size,
+        tokenizer=p.tokenizer,
+        version=version,
+        recompute_kv_on_update=cfg.rollout.recompute_kv_on_update,
+    )
+    orch = Orchestrator(
+        p.task,
+        engine,
+        p.tokenizer,
+        p.sampling,
+        p.limits,
+        gate=gate,
+        buffer=buffer,
+        in_flight=cfg.rollout.in_flight,
+        group_size=algo.group_size,
+        seed=cfg.seed,
+        state=state,
+    )
+    orch.consumed, orch.version = start_step, version
+    logger = RunLogger(
+        run_dir,
+        total_steps=cfg.train.steps,
+        tensorboard=cfg.log.tensorboard,
+        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
+        live=cfg.log.live,
+        config=to_dict(cfg),
+    )
+    try:
+        if ckpt is None:
+            await _logprob_gate(p, engine, logger)
+            logger.log(0, {"wall_s": 0.0, **await _eval(p, engine)})
+
+        async def step_fn(batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
+            stats = await asyncio.to_thread(p.trainer.step, batch, train_actor=train_actor)
+            return {k: float(v) for k, v in stats.items()}
+
+        def publish(v: int) -> None:
+            engine.update_weights(p.policy.state_dict(), v)
+
+        async def on_step(step: int, m: dict[str, float]) -> None:
+            m["wall_s"] = orch.clock.elapsed()
+            if step % cfg.eval.every == 0 or step == cfg.train.steps:
+                m |= await _eval(p, engine)
+            logger.log(step, m)
+            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.steps:
+                # snapshot on the event loop (episodes keep running), write in a thread
+                state, trajs = _rollout_snapshot(orch, buffer, gate)
+                await asyncio.to_thread(_checkpoint, p, run_dir, step, state, trajs)
+
+        await orch.train(
+            cfg.train.steps,
+            cfg.train.batch_size,
+            step_fn,
+            publish,
+            warmup_steps=algo.critic_pretrain_steps if ckpt is None else 0,
+            on_step=on_step,
+        )
+    finally:
+        logger.close()
+        await engine.aclose()
+    _finish(p, run_dir, logger.history)
+    return run_dir
+
+
+async def _logprob_gate(p: Parts, engine: TorchEngine, logger: RunLogger) -> None:
+    budget = p.cfg.train.logprob_budget
+    if budget <= 0:
+        return
+    envs = [p.task.make_env("eval", i) for i in range(4)]
+    report = await check_logprobs(engine, p.policy, p.tokenizer, envs, p.sampling, p.limits)
+    logger.print(f"log-prob check: max |delta| {report.max_abs_delta:.2e}, k3 {report.k3_kl:.2e}")
+    report.check(budget)
+
+
+async def _eval(p: Parts, engine: TorchEngine) -> dict[str, float]:
+    r = await evaluate(
+        p.task,
+        engine,
+        p.tokenizer,
+        episodes=p.cfg.eval.episodes,
+        max_new_tokens=p.cfg.rollout.max_new_tokens,
+        limits=p.limits,
+    )
+    return {"eval/success": r.success, "eval/reward_mean": r.reward_mean}
+
+
+def _rollout_snapshot(
+    orch: Orchestrator, buffer: TrajectoryBuffer, gate: StalenessGate
+) -> tuple[dict[str, object], list[Trajectory]]:
+    """Prompt stream + gate counters + finished trajectories. Prompts in flight
+    are restarted on resume: their finished members are kept in the buffer
+    snapshot only when the whole group is not restarted."""
+    in_flight = sorted(orch.state.in_flight) + list(orch.state.restart)
+    restarted = {f"train/{i}" for i in in_flight}
+    trajs = [t for t in buffer.snapshot() if t.group_id not in restarted]
+    running = len(buffer.snapshot()) - len(trajs) + sum(orch.state.in_flight.values())
+    state = {
+        "version": orch.version,
+        "next_index": orch.state.next_index,
+        "in_flight": in_flight,
+        "gate": [gate.started - running, gate.rejected, gate.dropped],
+    }
+    return state, trajs
+
+
+def _checkpoint(
+    p: Parts, run_dir: Path, step: int, state: dict[str, object], trajs: list[Trajectory]
+) -> None:
+    save_checkpoint(
+        run_dir / "checkpoints",
+        step,
+        policy=p.policy,
+        critic=p.critic,
+        trainer_state=p.trainer.state_dict(),
+        state=state,
+        trajectories=trajs,
+    )
+
+
+def _finish(p: Parts, run_dir: Path, history: list[dict[str, float]]) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summarize(history), indent=2) + "\n")
+    if p.cfg.log.plots:
+        write_plots(history, run_dir)
+    final = run_dir / "final"
+    tmp = run_dir / ".final.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    p.policy.save_pretrained(tmp)
+    p.tokenizer.save_pretrained(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)

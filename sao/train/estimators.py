@@ -1,0 +1,212 @@
+"""The config edge: preset names -> ``sao.algo`` functions.
+
+This is the only place that branches on an algorithm's name; each branch is
+one call of a pure function from ``sao.algo``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from sao.algo.advantages import (
+    adaptive_lambda,
+    count_turns,
+    gae,
+    length_adaptive_lambda,
+    step_level_gae,
+)
+from sao.algo.baselines import (
+    RunningMeanBaseline,
+    broadcast_to_tokens,
+    group_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+)
+from sao.algo.losses import (
+    cispo_loss,
+    dis_loss,
+    gspo_loss,
+    icepop_mask,
+    ppo_clip_loss,
+    tis_weights,
+)
+from sao.algo.presets import AlgoPreset
+from sao.algo.stats import masked_mean, masked_var
+from sao.types import Batch
+
+Stats = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Targets:
+    """What the update needs: actor advantages, critic targets and where the
+    critic is trained (``returns_BT`` / ``critic_mask_BT`` are None without a
+    critic). Shapes ``[B, T]``."""
+
+    advantages_BT: torch.Tensor
+    returns_BT: torch.Tensor | None
+    critic_mask_BT: torch.Tensor | None
+
+
+def group_index(group_ids: tuple[str, ...]) -> torch.Tensor:
+    """String group ids -> a ``[B]`` long tensor of small integers."""
+    index: dict[str, int] = {}
+    return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+
+
+def actor_lambda(algo: AlgoPreset, batch: Batch) -> float | torch.Tensor:
+    """Fixed ``lam_actor``, or the length-adaptive ``1 - 1/(alpha * l)`` per row
+    (per turn count for step-level GAE)."""
+    if algo.lam_actor is not None:
+        return algo.lam_actor
+    if algo.advantage in ("step_average", "step_last_token"):
+        turns_B = count_turns(batch.turn_id_BT, batch.action_mask_BT)
+        return adaptive_lambda(turns_B, alpha=algo.lam_alpha)
+    return length_adaptive_lambda(batch.action_mask_BT, alpha=algo.lam_alpha)
+
+
+def compute_targets(
+    algo: AlgoPreset,
+    batch: Batch,
+    values_BT: torch.Tensor | None,
+    running_mean: RunningMeanBaseline | None,
+) -> Targets:
+    """Advantages (and critic targets) for the preset's estimator (ALGORITHMS.md 3-5)."""
+    mask = batch.action_mask_BT
+    trunc_B, how = batch.truncated_B, _gae_truncation(algo)
+    if algo.advantage == "gae":
+        assert values_BT is not None
+        adv, _ = gae(
+            batch.rewards_BT,
+            values_BT,
+            mask,
+            gamma=algo.gamma,
+            lam=actor_lambda(algo, batch),
+            truncated_B=trunc_B,
+            truncation=how,
+        )
+        _, ret = gae(
+            batch.rewards_BT,
+            values_BT,
+            mask,
+            gamma=algo.gamma,
+            lam=algo.lam_critic,
+            truncated_B=trunc_B,
+            truncation=how,
+        )
+        return Targets(_whiten(algo, adv, mask), ret, mask)
+    if algo.advantage in ("step_average", "step_last_token"):
+        assert values_BT is not None
+        turn_value: Literal["average", "last_token"] = (
+            "average" if algo.advantage == "step_average" else "last_token"
+        )
+        adv, _, _ = step_level_gae(
+            batch.rewards_BT,
+            values_BT,
+            mask,
+            batch.turn_id_BT,
+            gamma=algo.gamma,
+            lam=actor_lambda(algo, batch),
+            turn_value=turn_value,
+            truncated_B=trunc_B,
+            truncation=how,
+        )
+        _, ret, critic_mask = step_level_gae(
+            batch.rewards_BT,
+            values_BT,
+            mask,
+            batch.turn_id_BT,
+            gamma=algo.gamma,
+            lam=algo.lam_critic,
+            turn_value=turn_value,
+            truncated_B=trunc_B,
+            truncation=how,
+        )
+        return Targets(_whiten(algo, adv, mask), ret, critic_mask)
+    rewards_B = batch.rewards_B
+    if algo.advantage == "group":
+        adv_B = group_advantages(
+            rewards_B, group_index(batch.group_ids), normalize_std=algo.normalize_std
+        )
+    elif algo.advantage == "rloo":
+        adv_B = rloo_advantages(rewards_B, group_index(batch.group_ids))
+    elif algo.advantage == "reinforce_pp":
+        groups = group_index(batch.group_ids) if algo.group_size > 1 else None
+        adv_B = reinforce_pp_advantages(rewards_B, group_ids_B=groups)
+    elif algo.advantage == "running_mean":
+        assert running_mean is not None
+        adv_B = running_mean.advantages(rewards_B, batch.prompt_ids)
+    else:  # pragma: no cover - AlgoPreset's Literal makes this unreachable
+        raise ValueError(f"unknown advantage estimator {algo.advantage!r}")
+    return Targets(_whiten(algo, broadcast_to_tokens(adv_B, mask), mask), None, None)
+
+
+def _gae_truncation(algo: AlgoPreset) -> Literal["bootstrap", "zero"]:
+    # 'drop' removes truncated rows before collation; what reaches GAE is terminal.
+    return "zero" if algo.truncation == "drop" else algo.truncation
+
+
+def _whiten(algo: AlgoPreset, adv_BT: torch.Tensor, mask_BT: torch.Tensor) -> torch.Tensor:
+    if not algo.whiten_advantages or int(mask_BT.sum()) < 2:
+        return adv_BT
+    std = masked_var(adv_BT, mask_BT).clamp(min=1e-12).sqrt()
+    return torch.where(mask_BT, (adv_BT - masked_mean(adv_BT, mask_BT)) / std, 0.0)
+
+
+def needs_old_logp(algo: AlgoPreset) -> bool:
+    """PPO-family losses compare against the trainer's pre-update policy."""
+    return algo.loss != "dis"
+
+
+def policy_loss(
+    algo: AlgoPreset,
+    logp_BT: torch.Tensor,
+    rollout_logp_BT: torch.Tensor,
+    old_logp_BT: torch.Tensor | None,
+    advantages_BT: torch.Tensor,
+    mask_BT: torch.Tensor,
+    denom: float,
+) -> tuple[torch.Tensor, Stats]:
+    """The preset's policy loss on one micro-batch (``denom``: the whole batch's)."""
+    eps = dict(eps_low=algo.eps_low, eps_high=algo.eps_high)
+    if algo.loss == "dis":
+        return dis_loss(
+            logp_BT,
+            rollout_logp_BT,
+            advantages_BT,
+            mask_BT,
+            reduction=algo.reduction,
+            denom=denom,
+            **eps,
+        )
+    assert old_logp_BT is not None
+    if algo.loss == "gspo":
+        return gspo_loss(logp_BT, old_logp_BT, advantages_BT, mask_BT, denom=denom, **eps)
+    if algo.loss == "cispo":
+        return cispo_loss(
+            logp_BT,
+            old_logp_BT,
+            advantages_BT,
+            mask_BT,
+            reduction=algo.reduction,
+            denom=denom,
+            **eps,
+        )
+    weights = None
+    if algo.correction == "tis":
+        weights = tis_weights(old_logp_BT, rollout_logp_BT)
+    elif algo.correction == "icepop":
+        weights = icepop_mask(old_logp_BT, rollout_logp_BT)
+    return ppo_clip_loss(
+        logp_BT,
+        old_logp_BT,
+        advantages_BT,
+        mask_BT,
+        token_weights_BT=weights,
+        reduction=algo.reduction,
+        denom=denom,
+        **eps,
+    )

@@ -1,0 +1,276 @@
+"""One trainer step: critic forward, advantages, K critic updates with frozen
+attention, the actor update. ``Trainer.step`` reads as the algorithm."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+
+from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
+from sao.algo.losses import aggregate_denom, value_loss
+from sao.algo.presets import AlgoPreset
+from sao.models.logprobs import sequence_logprobs
+from sao.models.value import ValueModel
+from sao.train.estimators import Stats, Targets, compute_targets, needs_old_logp, policy_loss
+from sao.types import Batch, Trajectory, collate
+
+
+@dataclass(frozen=True)
+class OptimSettings:
+    """Optimisation knobs the trainer needs (from ``TrainConfig``)."""
+
+    actor_lr: float = 2e-4
+    critic_lr: float = 1e-3
+    critic_lr_warmup_steps: int = 10
+    grad_clip: float = 1.0
+    token_budget: int = 8192
+    max_bad_steps: int = 3
+    temperature: float = 1.0
+    max_action_tokens: int = 256
+
+
+class NonFiniteError(RuntimeError):
+    """Too many consecutive steps with a NaN/inf loss or gradient."""
+
+
+def micro_batches(batch: Batch, token_budget: int) -> Iterator[tuple[Batch, torch.Tensor]]:
+    """Split rows (sorted by length) into micro-batches whose padded size
+    ``rows * T_max`` fits ``token_budget`` (a longer row forms its own);
+    padding beyond each micro-batch's longest row is trimmed. Yields
+    ``(micro_batch, row_indices_into_batch)``."""
+    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+    group: list[int] = []
+    for i in sorted(range(batch.size), key=lambda i: lengths[i]):
+        if group and (len(group) + 1) * max(lengths[i], 1) > token_budget:
+            yield _select(batch, group), torch.tensor(group, dtype=torch.long)
+            group = []
+        group.append(i)
+    if group:
+        yield _select(batch, group), torch.tensor(group, dtype=torch.long)
+
+
+def _select(batch: Batch, rows: list[int]) -> Batch:
+    idx = torch.tensor(rows, dtype=torch.long)
+    T = max(int(batch.attention_mask_BT[idx].sum(dim=1).max()), 1)
+    fields = {
+        k: v[idx][:, :T] if v.ndim == 2 else v[idx]
+        for k, v in vars(batch).items()
+        if isinstance(v, torch.Tensor)
+    }
+    return Batch(
+        **fields,
+        prompt_ids=tuple(batch.prompt_ids[i] for i in rows),
+        group_ids=tuple(batch.group_ids[i] for i in rows),
+    )
+
+
+class Trainer:
+    """Actor (policy) and critic updates for one algorithm preset."""
+
+    def __init__(
+        self,
+        policy: PreTrainedModel,
+        critic: ValueModel | None,
+        algo: AlgoPreset,
+        settings: OptimSettings,
+    ) -> None:
+        self.policy, self.critic, self.algo, self.opt = policy, critic, algo, settings
+        self.actor_optim = torch.optim.AdamW(policy.parameters(), lr=settings.actor_lr)
+        self.critic_optim: torch.optim.Optimizer | None = None
+        self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
+        if critic is not None:
+            params = [p for p in critic.parameters() if p.requires_grad]
+            self.critic_optim = torch.optim.AdamW(params, lr=settings.critic_lr)
+            warm = max(settings.critic_lr_warmup_steps, 1)
+            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(
+                self.critic_optim, lambda s: min(1.0, (s + 1) / warm)
+            )
+        self.running_mean = (
+            RunningMeanBaseline(algo.running_mean_window, algo.running_mean_per_prompt)
+            if algo.advantage == "running_mean"
+            else None
+        )
+        self.bad_steps = 0
+        self.skipped_steps = 0
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, trajectories: Sequence[Trajectory], *, train_actor: bool = True) -> Stats:
+        """One actor step (or a critic-only warm-up step) on finished trajectories."""
+        batch = self.prepare(trajectories)
+        values_BT = self.values(batch)
+        targets = compute_targets(self.algo, batch, values_BT, self.running_mean)
+        stats: Stats = {}
+        if self.critic is not None and targets.returns_BT is not None:
+            stats |= self.update_critic(batch, targets)
+            if self.algo.advantages_after_critic_update and train_actor:
+                targets = compute_targets(self.algo, batch, self.values(batch), None)
+        if train_actor:
+            stats |= self.update_actor(batch, targets.advantages_BT)
+        return stats | self.batch_stats(batch, targets)
+
+    # ------------------------------------------------------------------ phases
+
+    def prepare(self, trajectories: Sequence[Trajectory]) -> Batch:
+        """Collate; drop truncated rows if asked; apply DAPO's overlong shaping."""
+        trajs = list(trajectories)
+        if self.algo.truncation == "drop":
+            trajs = [t for t in trajs if not t.truncated] or trajs
+        batch = collate(trajs)
+        if self.algo.overlong_penalty:
+            lengths_B = batch.action_mask_BT.sum(dim=1)
+            cache = max(self.opt.max_action_tokens // 4, 1)
+            pen_B = overlong_penalty(lengths_B, max_len=self.opt.max_action_tokens, cache_len=cache)
+            last_B = _last_action_index(batch.action_mask_BT)
+            rows = torch.arange(batch.size)[last_B >= 0]
+            batch.rewards_BT[rows, last_B[rows]] += pen_B[rows].to(batch.rewards_BT.dtype)
+            batch.rewards_B.add_(pen_B.to(batch.rewards_B.dtype))
+        return batch
+
+    @torch.no_grad()
+    def values(self, batch: Batch) -> torch.Tensor | None:
+        """Critic values ``[B, T]`` for the whole batch (no gradient), or None."""
+        if self.critic is None:
+            return None
+        out = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
+        for mb, rows in self._with_rows(batch):
+            v = self.critic(mb.tokens_BT, mb.attention_mask_BT).float()
+            out[rows, : v.shape[1]] = v
+        return out
+
+    def update_critic(self, batch: Batch, targets: Targets) -> Stats:
+        """K critic optimizer steps on fixed lam=1 targets (paper section 4)."""
+        assert self.critic is not None and self.critic_optim is not None
+        assert targets.returns_BT is not None and targets.critic_mask_BT is not None
+        mask = targets.critic_mask_BT
+        denom = aggregate_denom(mask) if bool(mask.any()) else 1.0
+        stats: Stats = {}
+        for _ in range(self.algo.critic_steps):
+            self.critic_optim.zero_grad(set_to_none=True)
+            for mb, rows in self._with_rows(batch):
+                T = mb.tokens_BT.shape[1]
+                m = mask[rows, :T]
+                if not bool(m.any()):
+                    continue
+                v = self.critic(mb.tokens_BT, mb.attention_mask_BT)
+                loss, s = value_loss(v, targets.returns_BT[rows, :T], m, denom=denom)
+                loss.backward()
+            norm = self._apply(self.critic, self.critic_optim)
+            if self.critic_sched is not None:
+                self.critic_sched.step()
+            stats = {"critic/grad_norm": torch.tensor(norm)}
+        values_BT = self.values(batch)
+        assert values_BT is not None
+        _, s = value_loss(values_BT, targets.returns_BT, mask) if bool(mask.any()) else (0, {})
+        return stats | s
+
+    def update_actor(self, batch: Batch, advantages_BT: torch.Tensor) -> Stats:
+        """One actor optimizer step over micro-batches (gradients accumulate exactly)."""
+        mask = batch.action_mask_BT
+        reduction = "seq_mean_token_mean" if self.algo.loss == "gspo" else self.algo.reduction
+        denom = aggregate_denom(mask, reduction)
+        old = self._old_logp(batch) if needs_old_logp(self.algo) else None
+        self.actor_optim.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        n_mb = 0
+        for mb, rows in self._with_rows(batch):
+            if not bool(mb.action_mask_BT.any()):
+                continue
+            T = mb.tokens_BT.shape[1]
+            logp = sequence_logprobs(
+                self.policy, mb.tokens_BT, mb.attention_mask_BT, temperature=self.opt.temperature
+            )
+            old_mb = None if old is None else old[rows, :T]
+            loss, s = policy_loss(
+                self.algo,
+                logp,
+                mb.rollout_logp_BT,
+                old_mb,
+                advantages_BT[rows, :T],
+                mb.action_mask_BT,
+                denom,
+            )
+            loss.backward()
+            n_mb += 1
+            for k, v in s.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        norm = self._apply(self.policy, self.actor_optim)
+        stats: Stats = {k: torch.tensor(v / max(n_mb, 1)) for k, v in sums.items()}
+        return stats | {"actor/grad_norm": torch.tensor(norm)}
+
+    # ------------------------------------------------------------------ helpers
+
+    @torch.no_grad()
+    def _old_logp(self, batch: Batch) -> torch.Tensor:
+        out = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
+        for mb, rows in self._with_rows(batch):
+            lp = sequence_logprobs(
+                self.policy, mb.tokens_BT, mb.attention_mask_BT, temperature=self.opt.temperature
+            )
+            out[rows, : lp.shape[1]] = lp
+        return out
+
+    def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
+        return micro_batches(batch, self.opt.token_budget)
+
+    def _apply(self, model: nn.Module, optim: torch.optim.Optimizer) -> float:
+        """Clip, guard against NaN/inf, step. Returns the pre-clip gradient norm."""
+        params = [p for p in model.parameters() if p.grad is not None]
+        norm = float(torch.nn.utils.clip_grad_norm_(params, self.opt.grad_clip)) if params else 0.0
+        if not math.isfinite(norm):
+            optim.zero_grad(set_to_none=True)
+            self.bad_steps += 1
+            self.skipped_steps += 1
+            if self.bad_steps >= self.opt.max_bad_steps:
+                raise NonFiniteError(
+                    f"{self.bad_steps} consecutive steps had a NaN/inf gradient; stopping "
+                    "(lower the learning rates, or raise train.max_bad_steps)"
+                )
+            return norm
+        self.bad_steps = 0
+        optim.step()
+        return norm
+
+    def batch_stats(self, batch: Batch, targets: Targets) -> Stats:
+        """Reward, length and advantage summaries of the batch."""
+        mask = batch.action_mask_BT
+        n = mask.sum().clamp(min=1)
+        return {
+            "train/reward_mean": batch.rewards_B.mean(),
+            "train/action_tokens_mean": mask.sum(dim=1).float().mean(),
+            "train/advantage_mean": (targets.advantages_BT * mask).sum() / n,
+            "train/truncated_frac": batch.truncated_B.float().mean(),
+            "train/skipped_steps": torch.tensor(float(self.skipped_steps)),
+        }
+
+    def state_dict(self) -> dict[str, object]:
+        """Optimizer, scheduler and baseline state (weights are saved separately)."""
+        return {
+            "actor_optim": self.actor_optim.state_dict(),
+            "critic_optim": None if self.critic_optim is None else self.critic_optim.state_dict(),
+            "critic_sched": None if self.critic_sched is None else self.critic_sched.state_dict(),
+            "running_mean": None if self.running_mean is None else self.running_mean.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.actor_optim.load_state_dict(state["actor_optim"])  # type: ignore[arg-type]
+        if self.critic_optim is not None and state.get("critic_optim") is not None:
+            self.critic_optim.load_state_dict(state["critic_optim"])  # type: ignore[arg-type]
+        if self.critic_sched is not None and state.get("critic_sched") is not None:
+            self.critic_sched.load_state_dict(state["critic_sched"])  # type: ignore[arg-type]
+        if self.running_mean is not None and state.get("running_mean") is not None:
+            self.running_mean.load_state_dict(state["running_mean"])  # type: ignore[arg-type]
+        self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
+
+
+def _last_action_index(action_mask_BT: torch.Tensor) -> torch.Tensor:
+    T = action_mask_BT.shape[1]
+    pos = torch.arange(T).expand_as(action_mask_BT)
+    return torch.where(action_mask_BT, pos, -1).max(dim=1).values

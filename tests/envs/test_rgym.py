@@ -1,0 +1,89 @@
+"""reasoning_gym: real datasets scored by their own ``score_answer``; unknown
+names list the valid ones; a raising scorer is a zero with its reason."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("reasoning_gym")
+
+from sao.envs.base import Env, Task
+from sao.envs.rgym import ReasoningGymTask, dataset_names
+from tests.envs.conftest import play
+
+NAMES = ("basic_arithmetic", "leg_counting")
+
+
+def reply(task: ReasoningGymTask, split: str, index: int, text: str) -> tuple[float, str]:
+    ep = play(task.make_env(split, index), [text])  # type: ignore[arg-type]
+    return ep.score, str(ep.results[-1].info.get("error", ""))
+
+
+def test_names_exist_in_installed_version() -> None:
+    assert set(NAMES) <= set(dataset_names())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_answer_scores_one_and_wrong_scores_zero(name: str) -> None:
+    task = ReasoningGymTask(name, seed=1, eval_size=5, train_size=50)
+    assert isinstance(task, Task) and isinstance(task.make_env("train", 0), Env)
+    for split, index in (("train", 3), ("eval", 2)):
+        entry = task.entry(split, index)  # type: ignore[arg-type]
+        assert reply(task, split, index, f"answer {entry['answer']}")[0] == 1.0
+        assert reply(task, split, index, "answer 123456789")[0] == 0.0
+
+
+def test_prompt_is_question_plus_instruction() -> None:
+    task = ReasoningGymTask("basic_arithmetic", eval_size=3, train_size=10)
+    env = task.make_env("eval", 0)
+    assert env.first_observation() == f"{env.entry['question']}\nFinish with 'answer X'."
+    with_system = ReasoningGymTask(
+        "basic_arithmetic", eval_size=3, train_size=10, system="Be exact."
+    )
+    env = with_system.make_env("eval", 0)
+    assert isinstance(env.first_observation(), tuple)
+    assert env.first_messages()[0].role == "system"
+
+
+def test_splits_come_from_different_seeds_and_never_share_questions() -> None:
+    task = ReasoningGymTask("basic_arithmetic", seed=0, eval_size=50, train_size=500)
+    evals = {task.entry("eval", i)["question"] for i in range(50)}
+    train = {task.entry("train", i)["question"] for i in range(500)}
+    assert not evals & train
+    assert task.entry("eval", 0) == ReasoningGymTask("basic_arithmetic", eval_size=50).entry(
+        "eval", 0
+    )
+    with pytest.raises(IndexError):
+        task.entry("eval", 50)
+
+
+def test_unknown_name_lists_valid_ones_and_closest() -> None:
+    with pytest.raises(ValueError, match="Did you mean 'leg_counting'") as err:
+        ReasoningGymTask("leg_countin")
+    assert "basic_arithmetic" in str(err.value)
+
+
+def test_raising_scorer_is_zero_with_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    task = ReasoningGymTask("leg_counting", eval_size=3, train_size=10)
+
+    def broken(answer: object, entry: object) -> float:
+        raise KeyError("metadata")
+
+    monkeypatch.setattr(task.eval_data, "score_answer", broken)
+    entry = task.entry("eval", 0)
+    score, error = reply(task, "eval", 0, f"answer {entry['answer']}")
+    assert score == 0.0 and "KeyError" in error
+
+
+def test_demonstrations_are_imperfect() -> None:
+    task = ReasoningGymTask("leg_counting", seed=2, eval_size=3, train_size=200, error_rate=0.3)
+    demos = task.demonstrations(60, seed=0)
+    assert demos == task.demonstrations(60, seed=0)
+    correct = 0
+    for demo in demos:
+        assert demo[0].role == "user" and demo[-1].role == "assistant"
+        index = next(
+            i for i in range(200) if str(task.entry("train", i)["question"]) in demo[0].content
+        )
+        correct += reply(task, "train", index, demo[-1].content)[0] == 1.0
+    assert 30 < correct < 58
