@@ -4,22 +4,46 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sao.config import PRESETS, ConfigError, load_config, reference_markdown, validate
+from sao.config import PRESETS, Config, ConfigError, load_config, reference_markdown, validate
+
+
+def _load(args: argparse.Namespace) -> Config:
+    """The config of ``--preset``, ``--config`` and ``--set``, with a known task."""
+    return _known_task(load_config(args.preset, args.config, args.set))
+
+
+def _known_task(cfg: Config) -> Config:
+    from sao.envs.registry import task_names
+
+    if cfg.task.name not in task_names():
+        close = difflib.get_close_matches(cfg.task.name, task_names(), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"unknown task.name {cfg.task.name!r}; valid tasks: {', '.join(task_names())}.{hint}"
+        )
+    return cfg
 
 
 def _train(args: argparse.Namespace) -> int:
+    from sao.runtime.checkpoint import saved_config
     from sao.runtime.run import train
 
     if args.resume:
-        run_dir = train(load_config(), resume=Path(args.resume))
+        if args.preset or args.config:
+            raise ConfigError(
+                "--resume continues with the run's saved config; drop --preset/--config "
+                "(change what may change with --set, e.g. --set train.steps=200)"
+            )
+        resume = Path(args.resume)
+        run_dir = train(_known_task(saved_config(resume, args.set)), resume=resume)
     else:
-        cfg = load_config(args.preset, args.config, args.set)
-        run_dir = train(cfg)
+        run_dir = train(_load(args))
     summary = json.loads((run_dir / "summary.json").read_text())
     print(f"run directory: {run_dir}")
     print(
@@ -39,7 +63,7 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = validate(yaml.safe_load((target / "config.yaml").read_text()))
         model_dir = target / "final"
     else:
-        cfg = load_config(args.preset, args.config, args.set)
+        cfg = _load(args)
         model_dir = target
     options = {"seed": cfg.seed, **cfg.task.options}
     r = cfg.rollout
@@ -63,8 +87,7 @@ def _check(args: argparse.Namespace) -> int:
     from sao.rollout.torch_engine import TorchEngine
     from sao.runtime.run import build_parts
 
-    cfg = load_config(args.preset, args.config, args.set)
-    p = build_parts(cfg)
+    p = build_parts(_load(args))
     envs = [p.task.make_env("eval", i) for i in range(args.episodes)]
 
     async def go() -> int:
@@ -82,7 +105,7 @@ def _models_make(args: argparse.Namespace) -> int:
 
     from sao.runtime.warmstart import ensure_policy, held_out_success
 
-    cfg = load_config(args.preset, None, [f"task.name={args.env}", *args.set])
+    cfg = _known_task(load_config(args.preset, None, [f"task.name={args.env}", *args.set]))
     options = {"seed": cfg.seed, **cfg.task.options}
     t0 = time.perf_counter()
     path = ensure_policy(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
@@ -122,7 +145,7 @@ def _config(args: argparse.Namespace) -> int:
 
     from sao.config import to_dict
 
-    cfg = load_config(args.preset, args.config, args.set)
+    cfg = _load(args)
     print(yaml.safe_dump(to_dict(cfg), sort_keys=False), end="")
     return 0
 
@@ -145,7 +168,11 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train a policy (default: SAO on calc-tiny)")
     _add_config_args(p)
-    p.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its last checkpoint")
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue a run from its last checkpoint (extend it with --set train.steps=N)",
+    )
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="held-out success of a run directory or checkpoint")
     p.add_argument("target", help="RUN_DIR or a Hugging Face checkpoint directory")
@@ -180,12 +207,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (ConfigError, FileNotFoundError) as e:
-        print(f"sao: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         print("sao: interrupted", file=sys.stderr)
         return 130
+    except _user_errors() as e:  # evaluated only once something was raised
+        print(f"sao: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+    except _stopped_errors() as e:
+        print(f"sao: stopped: {_one_line(e)}", file=sys.stderr)
+        return 1
+
+
+def _one_line(e: BaseException) -> str:
+    """The message on one line: ``"invalid config: a: why; b: why"``."""
+    first, *rest = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
+    return " ".join([first, "; ".join(rest)]) if rest else first
+
+
+def _user_errors() -> tuple[type[Exception], ...]:
+    """Mistakes the user can fix: config, model directory, missing files. (Imported
+    lazily so that ``sao config`` does not load transformers.)"""
+    from sao.models.loading import ModelLoadError
+
+    return (ConfigError, ModelLoadError, FileNotFoundError)
+
+
+def _stopped_errors() -> tuple[type[Exception], ...]:
+    """A run that stopped itself with an explanation (e.g. diverged to NaN)."""
+    from sao.train.trainer import NonFiniteError
+
+    return (NonFiniteError,)
 
 
 if __name__ == "__main__":

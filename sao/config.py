@@ -17,7 +17,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    model_validator,
+)
 
 from sao.algo.presets import AlgoPreset, Correction, Reduction, Truncation, get_preset
 
@@ -59,9 +68,9 @@ class TaskConfig(_Section):
     """Keyword options of the task's constructor (see docs/environments.md)."""
     latency: Literal["none", "constant", "exponential", "lognormal"] = "none"
     """Add simulated tool latency to every environment step (benchmarks)."""
-    latency_median_s: float = 0.05
+    latency_median_s: NonNegativeFloat = 0.05
     """Median of the simulated latency, seconds."""
-    latency_sigma: float = 1.0
+    latency_sigma: NonNegativeFloat = 1.0
     """Log-space spread of the lognormal latency (heavy tail)."""
 
 
@@ -88,6 +97,8 @@ class AlgoConfig(_Section):
     """Override: freeze the critic's attention parameters."""
     critic_pretrain_steps: int | None = None
     """Override: critic-only warm-up steps before RL."""
+    value_clip: float | None = None
+    """Override: PPO-style value clipping width of the critic loss."""
     lam_actor: float | None = None
     """Override: fixed actor lambda (default: length-adaptive)."""
     lam_alpha: float | None = None
@@ -120,23 +131,23 @@ class AlgoConfig(_Section):
 class RolloutConfig(_Section):
     """How episodes are generated."""
 
-    in_flight: int = 32
+    in_flight: PositiveInt = 32
     """Episodes kept running concurrently by the rollout workers."""
-    temperature: float = 1.0
+    temperature: PositiveFloat = 1.0
     """Sampling temperature (the trainer applies the same)."""
     top_p: float = 1.0
     """Nucleus sampling; < 1 makes the trainer's log-probs differ from the engine's."""
     top_k: int = 0
     """Top-k sampling (0 = off); > 0 makes the trainer's log-probs differ."""
-    max_new_tokens: int = 32
+    max_new_tokens: PositiveInt = 32
     """Tokens per assistant turn."""
-    max_turns: int = 6
+    max_turns: PositiveInt = 6
     """Assistant turns per episode."""
-    max_total_tokens: int = 320
+    max_total_tokens: PositiveInt = 320
     """Whole-episode token budget (prompt, actions, observations)."""
-    step_timeout_s: float = 10.0
+    step_timeout_s: PositiveFloat = 10.0
     """Deadline of one environment step; an episode past it ends as 'timeout'."""
-    max_batch_size: int = 64
+    max_batch_size: PositiveInt = 64
     """Engine decode slots (continuous batching)."""
     recompute_kv_on_update: bool = False
     """Re-prefill in-flight requests after a weight update (default: keep their KV cache)."""
@@ -145,41 +156,39 @@ class RolloutConfig(_Section):
 class TrainConfig(_Section):
     """Optimisation."""
 
-    steps: int = 60
-    """Actor steps."""
-    batch_size: int = 32
+    steps: PositiveInt = 60
+    """Actor steps (critic-only warm-up steps, ``algo.critic_pretrain_steps``, come on top)."""
+    batch_size: PositiveInt = 32
     """Trajectories per actor step (paper: 128)."""
-    actor_lr: float = 2e-4
+    actor_lr: PositiveFloat = 2e-4
     """Actor learning rate (paper scale: 1e-6; tiny models need more)."""
-    critic_lr: float = 1e-3
+    critic_lr: PositiveFloat = 1e-3
     """Critic learning rate (keep it above the actor's, as in the paper)."""
-    critic_lr_warmup_steps: int = 10
+    critic_lr_warmup_steps: NonNegativeInt = 10
     """Linear warm-up of the critic learning rate, in critic optimizer steps."""
-    grad_clip: float = 1.0
+    grad_clip: PositiveFloat = 1.0
     """Global gradient-norm clip of actor and critic."""
-    token_budget: int = 8192
+    token_budget: PositiveInt = 8192
     """Micro-batch size in tokens (padded B*T) for forward/backward."""
-    max_bad_steps: int = 3
+    max_bad_steps: PositiveInt = 3
     """Stop after this many consecutive steps with a NaN/inf loss or gradient (each is skipped)."""
-    logprob_budget: float = 1e-3
+    logprob_budget: NonNegativeFloat = 1e-3
     """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables)."""
 
 
 class RuntimeConfig(_Section):
-    """Where things run and how far rollouts may run ahead."""
+    """How far rollouts may run ahead of the trainer."""
 
-    backend: Literal["embedded", "ray"] = "embedded"
-    """'embedded': one process. 'ray': rollout workers and trainer as Ray actors."""
-    max_lag: int = 4
+    max_lag: NonNegativeInt = 4
     """Staleness bound in versions; 0 = synchronous training."""
 
 
 class EvalConfig(_Section):
     """Held-out evaluation."""
 
-    every: int = 20
+    every: PositiveInt = 20
     """Evaluate held-out success every this many steps (and at the start and the end)."""
-    episodes: int = 100
+    episodes: PositiveInt = 100
     """Held-out episodes per evaluation (greedy decoding)."""
 
 
@@ -196,7 +205,7 @@ class LogConfig(_Section):
     """W&B project name."""
     live: bool = True
     """Rich live view in the terminal."""
-    checkpoint_every: int = 20
+    checkpoint_every: PositiveInt = 20
     """Checkpoint every this many steps (and at the end)."""
     plots: bool = True
     """PNG plots at the end of the run."""
@@ -218,7 +227,12 @@ class Config(_Section):
 
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "calc-tiny": {"task": {"name": "calculator"}},
+    "calc-tiny": {
+        "task": {
+            "name": "calculator",
+            "options": {"min_ops": 1, "max_ops": 2, "early_answer_rate": 0.6},
+        }
+    },
     "guess-tiny": {
         "task": {"name": "guess_number"},
         "rollout": {"max_turns": 7, "max_new_tokens": 12},
@@ -264,7 +278,7 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     for k, v in update.items():
         if k == "algo" and isinstance(v, str):  # `algo = "grpo"` is `algo.preset = "grpo"`
             v = {"preset": v}
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping) and k != "options":
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
             out[k] = _merge(dict(out[k]), v)
         else:
             out[k] = dict(v) if isinstance(v, Mapping) else v
@@ -326,7 +340,17 @@ def validate(data: Mapping[str, Any]) -> Config:
     except ValidationError as e:
         lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
         raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
-    cfg.algo.resolve()
+    algo = cfg.algo.resolve()
+    G = algo.group_size
+    if cfg.train.batch_size % G:
+        raise ConfigError(
+            f"train.batch_size ({cfg.train.batch_size}) must be a multiple of the group size "
+            f"({G}, algo {algo.name!r}): groups are trained whole"
+        )
+    if cfg.rollout.in_flight < G:
+        raise ConfigError(
+            f"rollout.in_flight ({cfg.rollout.in_flight}) must be >= the group size ({G})"
+        )
     return cfg
 
 
@@ -337,21 +361,61 @@ def to_dict(cfg: Config) -> dict[str, Any]:
 
 def reference_markdown() -> str:
     """The configuration reference (docs/configuration.md), generated from field docs."""
+    import inspect
+
+    from sao.algo.presets import PRESETS as ALGO_PRESETS
     from sao.algo.presets import field_docs
 
-    out = ["# Configuration reference", "", "Generated from `sao/config.py`; do not edit.", ""]
+    def cell(text: str | None) -> str:
+        # One table cell: a single line, with literal pipes escaped.
+        return " ".join((text or "").split()).replace("|", "\\|")
+
+    def value(v: object) -> str:
+        return f"`{v!r}`".replace("|", "\\|")
+
+    out = [
+        "# Configuration reference",
+        "",
+        "Generated from `sao/config.py` by `sao config --reference`; do not edit.",
+        "",
+        "Settings are resolved in this order, later ones winning: a named preset",
+        f"(`--preset`, one of {', '.join(f'`{n}`' for n in PRESETS)}; default `calc-tiny`),",
+        "a TOML or YAML file (`--config`), then `--set key=value` overrides, e.g.",
+        "`sao train --set algo=grpo --set train.steps=100`. Unknown keys are errors.",
+        "`sao config` prints the resolved configuration.",
+        "",
+    ]
     for name, field in Config.model_fields.items():
         section = field.annotation
         if not (isinstance(section, type) and issubclass(section, BaseModel)):
-            out += [f"- `{name}` (default `{field.default!r}`): {field.description}", ""]
+            out += [f"- `{name}` (default {value(field.default)}): {cell(field.description)}", ""]
             continue
-        out += [f"## `{name}`", "", section.__doc__ or "", ""]
+        out += [f"## `{name}`", "", inspect.cleandoc(section.__doc__ or ""), ""]
         out += ["| key | default | meaning |", "|---|---|---|"]
         for key, f in section.model_fields.items():
-            desc = (f.description or "").replace("\n", " ")
-            out.append(f"| `{name}.{key}` | `{f.default!r}` | {desc} |")
+            out.append(f"| `{name}.{key}` | {value(f.default)} | {cell(f.description)} |")
         out.append("")
-    out += ["## Algorithm preset fields", "", "| field | meaning |", "|---|---|"]
+    base = get_preset("sao")
     docs = field_docs()
-    out += [f"| `{f.name}` | {docs.get(f.name, '')} |" for f in dc_fields(AlgoPreset)]
+    out += [
+        "## Algorithm preset fields",
+        "",
+        "What `algo.preset` selects. Fields with an `algo.*` key above can be overridden;",
+        "the value shown is the `sao` preset's.",
+        "",
+        "| field | `sao` value | meaning |",
+        "|---|---|---|",
+    ]
+    out += [
+        f"| `{f.name}` | {value(getattr(base, f.name))} | {cell(docs.get(f.name))} |"
+        for f in dc_fields(AlgoPreset)
+    ]
+    out += ["", "## Algorithm presets", "", "| preset | differs from `sao` in |", "|---|---|"]
+    for preset_name, preset in ALGO_PRESETS.items():
+        diff = [
+            f"`{f.name}={getattr(preset, f.name)!r}`".replace("|", "\\|")
+            for f in dc_fields(AlgoPreset)
+            if f.name != "name" and getattr(preset, f.name) != getattr(base, f.name)
+        ]
+        out.append(f"| `{preset_name}` | {', '.join(diff) or '(the reference)'} |")
     return "\n".join(out) + "\n"

@@ -31,6 +31,8 @@ def test_readme_example_trains(tmp_path: Path) -> None:
     namespace["main"](str(checkpoint), str(tmp_path / "run"))  # type: ignore[operator]
     run = tmp_path / "run"
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2, 3, 4]
+    # 2 critic-only warm-up steps, then 4 actor steps (each publishes a version)
+    assert [r["step"] for r in rows if "train/reward_mean" in r] == [1, 2, 3, 4, 5, 6]
+    assert [r["version"] for r in rows if "version" in r] == [0, 0, 1, 2, 3, 4]
     assert (run / "final" / "config.json").is_file()
     assert "eval/success_last" in json.loads((run / "summary.json").read_text())

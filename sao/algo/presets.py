@@ -91,6 +91,8 @@ class AlgoPreset:
     critic_pretrain_steps: int = 10
     """Critic-only warm-up steps before RL, sampling with the frozen initial policy."""
 
+    value_clip: float | None = None
+    """PPO-style value clipping width for the critic loss (None: plain squared error, paper)."""
     gamma: float = 1.0
     """Discount factor."""
 
@@ -138,6 +140,8 @@ class AlgoPreset:
             raise ValueError(f"lam_actor must be in [0, 1] or None, got {self.lam_actor}")
         if not 0.0 <= self.lam_critic <= 1.0:
             raise ValueError(f"lam_critic must be in [0, 1], got {self.lam_critic}")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ValueError(f"value_clip must be > 0 or None, got {self.value_clip}")
         if not 0.0 <= self.gamma <= 1.0:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
         if self.lam_alpha <= 0:

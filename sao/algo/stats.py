@@ -80,7 +80,11 @@ def pack(mask_BT: torch.Tensor, *xs_BT: torch.Tensor) -> list[torch.Tensor]:
 def _explained_variance_n(values_N: torch.Tensor, returns_N: torch.Tensor) -> torch.Tensor:
     var_r = returns_N.var(correction=0)
     ev = 1.0 - (returns_N - values_N).var(correction=0) / var_r
-    return torch.where(var_r > 0, ev, math.nan)  # on device: no host sync
+    # Returns rebuilt as advantage + value carry rounding noise: a spread below
+    # float resolution of their scale counts as constant (EV undefined).
+    scale = returns_N.abs().max().clamp(min=1.0)
+    tiny = (torch.finfo(returns_N.dtype).eps * 64 * scale) ** 2
+    return torch.where(var_r > tiny, ev, math.nan)  # on device: no host sync
 
 
 def _kl_k1_n(log_r_N: torch.Tensor) -> torch.Tensor:

@@ -287,8 +287,12 @@ class CalculatorTask:
     ``[1, max_operand]``, ``allow_floordiv`` adds ``//``; the tool accepts at
     most ``ops_per_call`` operators per call and ``max_calls`` calls; an
     episode lasts at most ``max_turns`` actions. ``error_rate`` is the share of
-    demonstrations with a deliberate mistake or detour. ``system`` prepends a
-    system message describing the tool.
+    demonstrations with a deliberate mistake or detour. ``early_answer_rate``
+    is the share of demonstrations with a systematic bad habit: answering with
+    the first call's result instead of finishing the computation (correct only
+    for one-operation problems), the kind of habit a warm-started policy
+    carries and RL must unlearn. ``system`` prepends a system message
+    describing the tool.
     """
 
     name = "calculator"
@@ -307,6 +311,7 @@ class CalculatorTask:
         require_call: bool = True,
         eval_size: int = 200,
         error_rate: float = 0.3,
+        early_answer_rate: float = 0.0,
         system: bool = False,
     ) -> None:
         _check(1 <= min_ops <= max_ops <= 6, "min_ops/max_ops", "need 1 <= min_ops <= max_ops <= 6")
@@ -321,6 +326,7 @@ class CalculatorTask:
         _check(max_turns > max_calls, "max_turns", "must exceed max_calls (one turn to answer)")
         _check(eval_size >= 1, "eval_size", "use 1 or more")
         _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
+        _check(0.0 <= early_answer_rate <= 1.0, "early_answer_rate", "use a value in [0, 1]")
         self.seed = seed
         self.min_ops, self.max_ops, self.max_operand = min_ops, max_ops, max_operand
         self.ops = ("+", "-", "*", "//") if allow_floordiv else ("+", "-", "*")
@@ -328,6 +334,7 @@ class CalculatorTask:
         self.require_call = require_call
         self._eval_size = eval_size
         self.error_rate = error_rate
+        self.early_answer_rate = early_answer_rate
         self.system = system
 
     @property
@@ -378,7 +385,11 @@ class CalculatorTask:
 
     def _demo(self, rng: random.Random) -> Conversation:
         env = self.make_env("train", rng.randrange(10**9))
-        actions = _demo_actions(env.problem, rng, self.error_rate)
+        if rng.random() < self.early_answer_rate:
+            (expr, value), *_ = solve_steps(env.problem)
+            actions = [f"calc {expr}", f"answer {value}"]
+        else:
+            actions = _demo_actions(env.problem, rng, self.error_rate)
         msgs = [Message("system", SYSTEM_PROMPT)] if self.system else []
         msgs.append(Message("user", env.prompt))
         for action in actions:

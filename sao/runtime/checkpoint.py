@@ -7,6 +7,10 @@ and the LR schedule, RNG states, step and version, the running-mean state,
 the staleness counters, the buffer's finished trajectories, and where the
 prompt stream stands (prompts that were in flight are started again on
 resume, so no finished trajectory is counted twice or lost).
+
+Resuming (:func:`resume_point`) continues from the newest complete
+checkpoint with the saved config; only a few keys (e.g. ``train.steps``) may
+change.
 """
 
 from __future__ import annotations
@@ -15,14 +19,17 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import yaml
 from transformers import PreTrainedModel
 
+from sao.config import Config, ConfigError, parse_override, to_dict, validate
 from sao.models.value import ValueModel
 from sao.types import SamplingParams, Trajectory, Turn
 
@@ -73,10 +80,10 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` under ``ckpt_root`` atomically; returns its path."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".tmp_step_*"):  # left by a save that crashed
+        shutil.rmtree(stale, ignore_errors=True)
     final = ckpt_root / f"step_{step:06d}"
     tmp = ckpt_root / f".tmp_step_{step:06d}_{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
     policy.save_pretrained(tmp / "policy")
     if critic is not None:
@@ -96,12 +103,19 @@ def save_checkpoint(
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    """The newest complete checkpoint, or None."""
+    """The newest complete checkpoint, or None.
+
+    ``latest`` names it; a ``step_*`` directory only ever appears by a rename
+    of a fully written one, so when the pointer is missing or stale (a crash
+    between the rename and the pointer update) the highest ``step_*`` is used.
+    Temporary ``.tmp_step_*`` directories are never picked up."""
     pointer = ckpt_root / "latest"
-    if not pointer.is_file():
-        return None
-    path = ckpt_root / pointer.read_text().strip()
-    return path if (path / "state.json").is_file() else None
+    if pointer.is_file():
+        path = ckpt_root / pointer.read_text().strip()
+        if (path / "state.json").is_file():
+            return path
+    done = sorted(p for p in ckpt_root.glob("step_*") if (p / "state.json").is_file())
+    return done[-1] if done else None
 
 
 def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[Trajectory]]:
@@ -110,3 +124,85 @@ def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[Traject
     blob = torch.load(path / "trainer.pt", weights_only=False)
     lines = (path / "trajectories.jsonl").read_text().splitlines()
     return state, blob, [trajectory_from_dict(json.loads(x)) for x in lines if x]
+
+
+RESUMABLE_KEYS = ("train.steps", "train.max_bad_steps", "eval.", "log.")
+"""Config keys (or sections, ending in '.') that may change when a run is resumed;
+any other change would not match the saved optimizer, buffer or prompt stream."""
+
+
+def saved_config(run_dir: Path, overrides: Sequence[str] = ()) -> Config:
+    """The config a run directory was started with, plus ``--set`` overrides."""
+    path = run_dir / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(
+            f"cannot resume {str(run_dir)!r}: it holds no config.yaml, so it is not a run "
+            "directory (pass the log.run_dir of an earlier `sao train`)"
+        )
+    data = yaml.safe_load(path.read_text())
+    for item in overrides:  # no preset underneath: the saved config is complete
+        data = _updated(data, parse_override(item))
+    return validate(data)
+
+
+def _updated(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        both = isinstance(v, dict) and isinstance(out.get(k), dict)
+        out[k] = _updated(out[k], v) if both else v
+    return out
+
+
+def resume_point(run_dir: Path, cfg: Config) -> tuple[Config, Path]:
+    """Check that ``cfg`` may continue ``run_dir``; returns it (with ``log.run_dir``
+    set to ``run_dir``) and the checkpoint to start from.
+
+    Only :data:`RESUMABLE_KEYS` may differ from the saved config (e.g. a larger
+    ``train.steps``). Metrics logged after that checkpoint are removed from
+    ``metrics.jsonl``: those steps run again, so no step number appears twice."""
+    saved = _flat(to_dict(saved_config(run_dir)))
+    given = _flat(to_dict(cfg))
+    changed = [
+        k
+        for k in sorted(saved.keys() | given.keys())
+        if saved.get(k) != given.get(k) and not k.startswith(RESUMABLE_KEYS)
+    ]
+    if changed:
+        diffs = ", ".join(f"{k} ({saved.get(k)!r} -> {given.get(k)!r})" for k in changed)
+        raise ConfigError(
+            f"cannot resume {str(run_dir)!r} with a different {diffs}; only "
+            f"{', '.join(RESUMABLE_KEYS)} may change on resume (start a new run instead)"
+        )
+    ckpt = latest_checkpoint(run_dir / "checkpoints")
+    if ckpt is None:
+        raise ConfigError(
+            f"cannot resume {str(run_dir)!r}: it holds no complete checkpoint; delete it "
+            "and start again, or pick another log.run_dir"
+        )
+    step = int(json.loads((ckpt / "state.json").read_text())["step"])
+    rewind_metrics(run_dir / "metrics.jsonl", step)
+    log = cfg.log.model_copy(update={"run_dir": str(run_dir)})
+    return cfg.model_copy(update={"log": log}), ckpt
+
+
+def rewind_metrics(path: Path, step: int) -> None:
+    """Drop the rows of ``metrics.jsonl`` logged after ``step`` (atomically)."""
+    if not path.is_file():
+        return
+    rows = [x for x in path.read_text().splitlines() if x.strip()]
+    kept = [x for x in rows if json.loads(x)["step"] <= step]
+    if len(kept) == len(rows):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(x + "\n" for x in kept))
+    os.replace(tmp, path)
+
+
+def _flat(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and k != "options":
+            out |= _flat(v, f"{prefix}{k}.")
+        else:
+            out[prefix + k] = v
+    return out

@@ -16,8 +16,9 @@ import numpy as np
 import torch
 import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers.utils import logging as hf_logging
 
-from sao.config import Config, ConfigError, to_dict, validate
+from sao.config import Config, ConfigError, to_dict
 from sao.envs.base import Task
 from sao.envs.latency import LatencyWrapper
 from sao.envs.registry import make_task
@@ -28,7 +29,7 @@ from sao.rollout.agent import EpisodeLimits
 from sao.rollout.check import check_logprobs
 from sao.rollout.torch_engine import TorchEngine
 from sao.runtime.buffer import TrajectoryBuffer
-from sao.runtime.checkpoint import latest_checkpoint, load_state, save_checkpoint, set_rng_state
+from sao.runtime.checkpoint import load_state, resume_point, save_checkpoint, set_rng_state
 from sao.runtime.evaluate import evaluate
 from sao.runtime.logging import RunLogger, summarize, write_plots
 from sao.runtime.orchestrator import Orchestrator, RolloutState
@@ -100,7 +101,11 @@ def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = 
                 cfg.model.critic_path or src, dtype=dtype, seed=cfg.seed
             )
         if algo.freeze_critic_attention:
-            freeze_attention(critic)  # before the optimizer is built (paper section 4)
+            report = freeze_attention(critic)  # before the optimizer is built (paper section 4)
+            print(
+                f"critic attention frozen: {report.num_frozen:,} parameters frozen, "
+                f"{report.num_trainable:,} trainable"
+            )
     r = cfg.rollout
     sampling = SamplingParams(
         temperature=r.temperature,
@@ -152,14 +157,22 @@ def train(cfg: Config, *, task: Task | None = None, resume: Path | None = None) 
     """Run training to completion; returns the run directory.
 
     ``task`` trains on your own :class:`~sao.envs.base.Task` instead of the
-    configured built-in one (``cfg.task`` is then only a label)."""
+    configured built-in one (``cfg.task`` is then only a label). ``resume``
+    continues that run directory from its last checkpoint; ``cfg`` must match
+    its saved config except for a few keys such as a larger ``train.steps``
+    (see :func:`~sao.runtime.checkpoint.resume_point`)."""
+    hf_logging.disable_progress_bar()  # the run has its own live view
+    ckpt = None
     if resume is not None:
-        cfg = validate(yaml.safe_load((resume / "config.yaml").read_text()))
-        cfg = cfg.model_copy(update={"log": cfg.log.model_copy(update={"run_dir": str(resume)})})
+        cfg, ckpt = resume_point(resume, cfg)
     run_dir = prepare_run_dir(cfg, resume is not None)
-    ckpt = latest_checkpoint(run_dir / "checkpoints") if resume else None
     _seed(cfg.seed)
-    parts = build_parts(cfg, ckpt, task)
+    try:
+        parts = build_parts(cfg, ckpt, task)
+    except BaseException:
+        if resume is None:  # nothing ran yet: leave no half-made run directory behind
+            shutil.rmtree(run_dir, ignore_errors=True)
+        raise
     return asyncio.run(_run(parts, run_dir, ckpt))
 
 
@@ -171,6 +184,7 @@ def _seed(seed: int) -> None:
 
 async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
     cfg, algo = p.cfg, p.cfg.algo.resolve()
+    total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
     gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
     buffer = TrajectoryBuffer(
         gate, group_size=algo.group_size, dynamic_sampling=algo.dynamic_sampling
@@ -208,7 +222,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
     orch.consumed, orch.version = start_step, version
     logger = RunLogger(
         run_dir,
-        total_steps=cfg.train.steps,
+        total_steps=total,
         tensorboard=cfg.log.tensorboard,
         wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
         live=cfg.log.live,
@@ -228,20 +242,20 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
 
         async def on_step(step: int, m: dict[str, float]) -> None:
             m["wall_s"] = orch.clock.elapsed()
-            if step % cfg.eval.every == 0 or step == cfg.train.steps:
+            if step % cfg.eval.every == 0 or step == total:
                 m |= await _eval(p, engine)
             logger.log(step, m)
-            if step % cfg.log.checkpoint_every == 0 or step == cfg.train.steps:
+            if step % cfg.log.checkpoint_every == 0 or step == total:
                 # snapshot on the event loop (episodes keep running), write in a thread
                 state, trajs = _rollout_snapshot(orch, buffer, gate)
                 await asyncio.to_thread(_checkpoint, p, run_dir, step, state, trajs)
 
         await orch.train(
-            cfg.train.steps,
+            total,
             cfg.train.batch_size,
             step_fn,
             publish,
-            warmup_steps=algo.critic_pretrain_steps if ckpt is None else 0,
+            warmup_steps=algo.critic_pretrain_steps,  # critic-only batches, before the actor steps
             on_step=on_step,
         )
     finally:

@@ -28,10 +28,10 @@ from sao.runtime.evaluate import evaluate
 class WarmStartRecipe:
     """How a task's tiny policy is built (hashed into its cache key)."""
 
-    demos: int = 3000
-    epochs: int = 2
-    lr: float = 3e-3
-    batch_size: int = 32
+    demos: int = 4000
+    epochs: int = 3
+    lr: float = 2e-3
+    batch_size: int = 16
     max_len: int = 384
 
 

@@ -97,21 +97,24 @@ class Trainer:
         )
         self.bad_steps = 0
         self.skipped_steps = 0
+        self._finite = True
 
     # ------------------------------------------------------------------ the step
 
     def step(self, trajectories: Sequence[Trajectory], *, train_actor: bool = True) -> Stats:
         """One actor step (or a critic-only warm-up step) on finished trajectories."""
+        self._finite = True  # set False by any skipped (NaN/inf) optimizer update
         batch = self.prepare(trajectories)
         values_BT = self.values(batch)
         targets = compute_targets(self.algo, batch, values_BT, self.running_mean)
         stats: Stats = {}
         if self.critic is not None and targets.returns_BT is not None:
-            stats |= self.update_critic(batch, targets)
+            stats |= self.update_critic(batch, targets, values_BT)
             if self.algo.advantages_after_critic_update and train_actor:
                 targets = compute_targets(self.algo, batch, self.values(batch), None)
         if train_actor:
             stats |= self.update_actor(batch, targets.advantages_BT)
+        self._count_bad_step()
         return stats | self.batch_stats(batch, targets)
 
     # ------------------------------------------------------------------ phases
@@ -143,8 +146,11 @@ class Trainer:
             out[rows, : v.shape[1]] = v
         return out
 
-    def update_critic(self, batch: Batch, targets: Targets) -> Stats:
-        """K critic optimizer steps on fixed lam=1 targets (paper section 4)."""
+    def update_critic(
+        self, batch: Batch, targets: Targets, old_values_BT: torch.Tensor | None = None
+    ) -> Stats:
+        """K critic optimizer steps on fixed lam=1 targets (paper section 4);
+        ``old_values_BT`` (values before the update) anchor optional value clipping."""
         assert self.critic is not None and self.critic_optim is not None
         assert targets.returns_BT is not None and targets.critic_mask_BT is not None
         mask = targets.critic_mask_BT
@@ -158,7 +164,16 @@ class Trainer:
                 if not bool(m.any()):
                     continue
                 v = self.critic(mb.tokens_BT, mb.attention_mask_BT)
-                loss, s = value_loss(v, targets.returns_BT[rows, :T], m, denom=denom)
+                clip = self.algo.value_clip if old_values_BT is not None else None
+                old = None if clip is None else old_values_BT[rows, :T]  # type: ignore[index]
+                loss, _ = value_loss(
+                    v,
+                    targets.returns_BT[rows, :T],
+                    m,
+                    denom=denom,
+                    old_values_BT=old,
+                    clip_eps=clip,
+                )
                 loss.backward()
             norm = self._apply(self.critic, self.critic_optim)
             if self.critic_sched is not None:
@@ -166,8 +181,9 @@ class Trainer:
             stats = {"critic/grad_norm": torch.tensor(norm)}
         values_BT = self.values(batch)
         assert values_BT is not None
-        _, s = value_loss(values_BT, targets.returns_BT, mask) if bool(mask.any()) else (0, {})
-        return stats | s
+        if bool(mask.any()):  # the critic after its K steps, on this batch
+            stats |= value_loss(values_BT, targets.returns_BT, mask)[1]
+        return stats
 
     def update_actor(self, batch: Batch, advantages_BT: torch.Tensor) -> Stats:
         """One actor optimizer step over micro-batches (gradients accumulate exactly)."""
@@ -224,17 +240,25 @@ class Trainer:
         norm = float(torch.nn.utils.clip_grad_norm_(params, self.opt.grad_clip)) if params else 0.0
         if not math.isfinite(norm):
             optim.zero_grad(set_to_none=True)
-            self.bad_steps += 1
-            self.skipped_steps += 1
-            if self.bad_steps >= self.opt.max_bad_steps:
-                raise NonFiniteError(
-                    f"{self.bad_steps} consecutive steps had a NaN/inf gradient; stopping "
-                    "(lower the learning rates, or raise train.max_bad_steps)"
-                )
+            self._finite = False
             return norm
-        self.bad_steps = 0
         optim.step()
         return norm
+
+    def _count_bad_step(self) -> None:
+        """Count a step whose actor or critic update was skipped; stop after
+        ``max_bad_steps`` such steps in a row (one good update of the critic
+        must not hide a diverged actor, so this is counted per trainer step)."""
+        if self._finite:
+            self.bad_steps = 0
+            return
+        self.bad_steps += 1
+        self.skipped_steps += 1
+        if self.bad_steps >= self.opt.max_bad_steps:
+            raise NonFiniteError(
+                f"{self.bad_steps} consecutive steps had a NaN/inf loss or gradient; stopping "
+                "(lower the learning rates, or raise train.max_bad_steps)"
+            )
 
     def batch_stats(self, batch: Batch, targets: Targets) -> Stats:
         """Reward, length and advantage summaries of the batch."""

@@ -188,3 +188,13 @@ def test_stats_reject_bad_input() -> None:
         explained_variance(x, t([1.0]), m([1, 1, 1]))
     with pytest.raises(ValueError, match="no True entry"):
         effective_sample_size(x, m([0, 0, 0]))
+
+
+def test_explained_variance_is_nan_when_returns_are_constant_up_to_rounding() -> None:
+    # Returns rebuilt as advantage + value (as GAE does) differ from 0 only by
+    # float rounding: 0.1 + 0.2 - 0.3 != 0 in float32. EV is undefined there.
+    values = torch.tensor([[0.1, 0.2, 0.3]])
+    adv = -values
+    returns = adv + values + torch.tensor([[0.0, 1e-8, -1e-8]])
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    assert torch.isnan(explained_variance(values, returns, mask))

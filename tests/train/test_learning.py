@@ -58,13 +58,25 @@ def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def run(tmp_path: Path, policy: Path, *overrides: str) -> list[dict[str, float]]:
     cfg = load_config(
         overrides=[
-            f"model.path={policy}", f"log.run_dir={tmp_path / 'run'}", "log.live=false",
-            "log.tensorboard=false", "log.plots=false", "train.steps=16", "train.batch_size=16",
-            "train.actor_lr=3e-3", "train.critic_lr=3e-3", "rollout.in_flight=16",
-            "rollout.max_new_tokens=4", "rollout.max_turns=1", "rollout.max_total_tokens=64",
-            "eval.every=100", "eval.episodes=8", "log.checkpoint_every=100", *overrides,
+            f"model.path={policy}",
+            f"log.run_dir={tmp_path / 'run'}",
+            "log.live=false",
+            "log.tensorboard=false",
+            "log.plots=false",
+            "train.steps=16",
+            "train.batch_size=16",
+            "train.actor_lr=3e-3",
+            "train.critic_lr=3e-3",
+            "rollout.in_flight=16",
+            "rollout.max_new_tokens=4",
+            "rollout.max_turns=1",
+            "rollout.max_total_tokens=64",
+            "eval.every=100",
+            "eval.episodes=8",
+            "log.checkpoint_every=100",
+            *overrides,
         ]
-    )  # fmt: skip
+    )
     run_dir = train(cfg, task=SayATask())
     lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     return [json.loads(x) for x in lines]
