@@ -8,7 +8,7 @@ while it trains; SAO keeps ``rollout.in_flight`` episodes running and trains
 on whatever has finished. Prints wall-clock time, trajectories/s and trainer
 idle fraction of each, and the wall-clock ratio.
 
-    python benchmarks/async_vs_sync.py [--steps 12] [--batch 32] [--median 0.3] [--sigma 1.0]
+    python benchmarks/async_vs_sync.py [--steps 12] [--batch 32] [--median 0.5] [--sigma 1.5] [--max 8]
 """
 
 from __future__ import annotations
@@ -44,13 +44,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--median", type=float, default=0.3, help="median env-step latency, s")
-    ap.add_argument("--sigma", type=float, default=1.0, help="lognormal sigma (tail weight)")
+    ap.add_argument("--median", type=float, default=0.5, help="median env-step latency, s")
+    ap.add_argument("--sigma", type=float, default=1.5, help="lognormal sigma (tail weight)")
+    ap.add_argument("--max", type=float, default=8.0, help="cap of one latency draw, s")
     args = ap.parse_args()
     common = [
         "task.latency=lognormal",
         f"task.latency_median_s={args.median}",
         f"task.latency_sigma={args.sigma}",
+        f"task.latency_max_s={args.max}",
         f"train.steps={args.steps}",
         f"train.batch_size={args.batch}",
         "eval.every=1000000",
@@ -89,7 +91,8 @@ def main() -> None:
     ratio = results["grpo_sync"]["train_s"] / results["sao_async"]["train_s"]
     print(
         f"same {args.steps * args.batch} trajectories; latency lognormal median "
-        f"{args.median}s sigma {args.sigma}: async is {ratio:.2f}x faster (wall-clock ratio)"
+        f"{args.median}s sigma {args.sigma} cap {args.max}s: async is {ratio:.2f}x faster "
+        "(wall-clock ratio)"
     )
 
 

@@ -72,6 +72,8 @@ class TaskConfig(_Section):
     """Median of the simulated latency, seconds."""
     latency_sigma: NonNegativeFloat = 1.0
     """Log-space spread of the lognormal latency (heavy tail)."""
+    latency_max_s: PositiveFloat = 5.0
+    """Cap of one simulated latency draw, seconds."""
 
 
 class AlgoConfig(_Section):
@@ -160,7 +162,7 @@ class TrainConfig(_Section):
     """Actor steps (critic-only warm-up steps, ``algo.critic_pretrain_steps``, come on top)."""
     batch_size: PositiveInt = 32
     """Trajectories per actor step (paper: 128)."""
-    actor_lr: PositiveFloat = 2e-4
+    actor_lr: PositiveFloat = 3e-4
     """Actor learning rate (paper scale: 1e-6; tiny models need more)."""
     critic_lr: PositiveFloat = 1e-3
     """Critic learning rate (keep it above the actor's, as in the paper)."""

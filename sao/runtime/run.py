@@ -67,6 +67,7 @@ def build_task(cfg: Config) -> Task:
             distribution=cfg.task.latency,
             median_s=cfg.task.latency_median_s,
             sigma=cfg.task.latency_sigma,
+            max_s=cfg.task.latency_max_s,
             seed=cfg.seed,
         )
     return task
