@@ -8,7 +8,8 @@ while it trains; SAO keeps ``rollout.in_flight`` episodes running and trains
 on whatever has finished. Prints wall-clock time, trajectories/s and trainer
 idle fraction of each, and the wall-clock ratio.
 
-    python benchmarks/async_vs_sync.py [--steps 12] [--batch 32] [--median 0.5] [--sigma 1.5] [--max 8]
+    python benchmarks/async_vs_sync.py [--steps 12] [--batch 32]
+        [--median 0.5] [--sigma 1.5] [--max 8]
 """
 
 from __future__ import annotations

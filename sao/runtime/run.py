@@ -183,6 +183,23 @@ def _seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _restore(
+    p: Parts, ckpt: Path | None, gate: StalenessGate, buffer: TrajectoryBuffer
+) -> tuple[RolloutState, int, int]:
+    """Trainer, RNG, gate counters and buffer from a checkpoint; returns the
+    prompt stream, the step and the version to continue from."""
+    if ckpt is None:
+        return RolloutState(), 0, 0
+    saved, blob, trajs = load_state(ckpt)
+    p.trainer.load_state_dict(blob["trainer"])
+    set_rng_state(blob["rng"])
+    gate.started, gate.rejected, gate.dropped = saved["gate"]
+    for t in trajs:
+        buffer.add(t)
+    state = RolloutState(next_index=saved["next_index"], restart=saved["in_flight"])
+    return state, saved["step"], saved["version"]
+
+
 async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
@@ -190,16 +207,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
     buffer = TrajectoryBuffer(
         gate, group_size=algo.group_size, dynamic_sampling=algo.dynamic_sampling
     )
-    state, start_step, version = RolloutState(), 0, 0
-    if ckpt is not None:
-        saved, blob, trajs = load_state(ckpt)
-        p.trainer.load_state_dict(blob["trainer"])
-        set_rng_state(blob["rng"])
-        start_step, version = saved["step"], saved["version"]
-        state = RolloutState(next_index=saved["next_index"], restart=saved["in_flight"])
-        gate.started, gate.rejected, gate.dropped = saved["gate"]
-        for t in trajs:
-            buffer.add(t)
+    state, start_step, version = _restore(p, ckpt, gate, buffer)
     engine = TorchEngine(
         copy.deepcopy(p.policy),
         max_batch_size=cfg.rollout.max_batch_size,

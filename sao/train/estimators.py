@@ -75,10 +75,33 @@ def compute_targets(
     running_mean: RunningMeanBaseline | None,
 ) -> Targets:
     """Advantages (and critic targets) for the preset's estimator (ALGORITHMS.md 3-5)."""
+    if algo.advantage in ("gae", "step_average", "step_last_token"):
+        assert values_BT is not None, f"advantage={algo.advantage!r} needs critic values"
+        return _critic_targets(algo, batch, values_BT)
+    mask = batch.action_mask_BT
+    rewards_B = batch.rewards_B
+    if algo.advantage == "group":
+        adv_B = group_advantages(
+            rewards_B, group_index(batch.group_ids), normalize_std=algo.normalize_std
+        )
+    elif algo.advantage == "rloo":
+        adv_B = rloo_advantages(rewards_B, group_index(batch.group_ids))
+    elif algo.advantage == "reinforce_pp":
+        groups = group_index(batch.group_ids) if algo.group_size > 1 else None
+        adv_B = reinforce_pp_advantages(rewards_B, group_ids_B=groups)
+    elif algo.advantage == "running_mean":
+        assert running_mean is not None
+        adv_B = running_mean.advantages(rewards_B, batch.prompt_ids)
+    else:  # pragma: no cover - AlgoPreset's Literal makes this unreachable
+        raise ValueError(f"unknown advantage estimator {algo.advantage!r}")
+    return Targets(_whiten(algo, broadcast_to_tokens(adv_B, mask), mask), None, None)
+
+
+def _critic_targets(algo: AlgoPreset, batch: Batch, values_BT: torch.Tensor) -> Targets:
+    """Token GAE or step-level GAE: decoupled lambdas (actor adaptive, critic 1)."""
     mask = batch.action_mask_BT
     trunc_B, how = batch.truncated_B, _gae_truncation(algo)
     if algo.advantage == "gae":
-        assert values_BT is not None
         adv, _ = gae(
             batch.rewards_BT,
             values_BT,
@@ -99,7 +122,6 @@ def compute_targets(
         )
         return Targets(_whiten(algo, adv, mask), ret, mask)
     if algo.advantage in ("step_average", "step_last_token"):
-        assert values_BT is not None
         turn_value: Literal["average", "last_token"] = (
             "average" if algo.advantage == "step_average" else "last_token"
         )
@@ -126,22 +148,7 @@ def compute_targets(
             truncation=how,
         )
         return Targets(_whiten(algo, adv, mask), ret, critic_mask)
-    rewards_B = batch.rewards_B
-    if algo.advantage == "group":
-        adv_B = group_advantages(
-            rewards_B, group_index(batch.group_ids), normalize_std=algo.normalize_std
-        )
-    elif algo.advantage == "rloo":
-        adv_B = rloo_advantages(rewards_B, group_index(batch.group_ids))
-    elif algo.advantage == "reinforce_pp":
-        groups = group_index(batch.group_ids) if algo.group_size > 1 else None
-        adv_B = reinforce_pp_advantages(rewards_B, group_ids_B=groups)
-    elif algo.advantage == "running_mean":
-        assert running_mean is not None
-        adv_B = running_mean.advantages(rewards_B, batch.prompt_ids)
-    else:  # pragma: no cover - AlgoPreset's Literal makes this unreachable
-        raise ValueError(f"unknown advantage estimator {algo.advantage!r}")
-    return Targets(_whiten(algo, broadcast_to_tokens(adv_B, mask), mask), None, None)
+    raise ValueError(f"advantage {algo.advantage!r} does not use a critic")
 
 
 def _gae_truncation(algo: AlgoPreset) -> Literal["bootstrap", "zero"]:
