@@ -100,12 +100,23 @@ def _check(args: argparse.Namespace) -> int:
     return asyncio.run(go())
 
 
+TINY_PRESETS = {
+    "calculator": "calc-tiny",
+    "guess_number": "guess-tiny",
+    "python_tool": "python-tiny",
+    "style_shift": "style-shift-tiny",
+    "reasoning_gym": "rgym-tiny",
+}
+"""The tiny preset whose task options and rollout limits ``sao models make ENV`` uses."""
+
+
 def _models_make(args: argparse.Namespace) -> int:
     import time
 
     from sao.runtime.warmstart import ensure_policy, held_out_success
 
-    cfg = _known_task(load_config(args.preset, None, [f"task.name={args.env}", *args.set]))
+    preset = args.preset or TINY_PRESETS.get(args.env)
+    cfg = _known_task(load_config(preset, None, [f"task.name={args.env}", *args.set]))
     options = {"seed": cfg.seed, **cfg.task.options}
     t0 = time.perf_counter()
     path = ensure_policy(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)

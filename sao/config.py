@@ -240,14 +240,38 @@ PRESETS: dict[str, dict[str, Any]] = {
         "rollout": {"max_turns": 7, "max_new_tokens": 12},
     },
     "style-shift-tiny": {
-        "task": {"name": "style_shift"},
+        # 8-30 words: the shortest demonstration texts fail the judge, so the warm
+        # start is imperfect under the first preferred style (cute).
+        "task": {"name": "style_shift", "options": {"min_words": 8}},
         "algo": {"preset": "sao"},
         "train": {"steps": 400},
         "rollout": {"max_turns": 1, "max_new_tokens": 96},
     },
-    "python-tiny": {"task": {"name": "python_tool"}, "rollout": {"max_new_tokens": 48}},
+    "python-tiny": {
+        # The kinds a ~1M-parameter policy learns to copy within its warm start.
+        "task": {
+            "name": "python_tool",
+            "options": {"kinds": ["mul", "digitsum", "count", "reverse"]},
+        },
+        "rollout": {"max_new_tokens": 48},
+    },
     "rgym-tiny": {
-        "task": {"name": "reasoning_gym", "options": {"dataset": "basic_arithmetic"}},
+        # One 3-digit term per question (restate the number): within reach of the
+        # tiny warm start, unlike multi-term expressions.
+        "task": {
+            "name": "reasoning_gym",
+            "options": {
+                "dataset": "basic_arithmetic",
+                "config": {
+                    "min_terms": 1,
+                    "max_terms": 1,
+                    "min_digits": 3,
+                    "max_digits": 3,
+                    "allow_parentheses": False,
+                    "allow_negation": False,
+                },
+            },
+        },
         "rollout": {"max_turns": 1},
     },
 }
