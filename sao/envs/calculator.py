@@ -28,11 +28,11 @@ problem text can ever appear in the train split.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 from dataclasses import dataclass
 
+from sao.envs._split import draw_problem, split_of, stable_hash
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = ["EVAL_SHARE", "CalcError", "CalculatorEnv", "CalculatorTask", "evaluate", "solve_steps"]
@@ -49,16 +49,9 @@ FORMAT_HINT = "format: calc 3*4 or answer 12"
 _MAX_EXPR_CHARS = 64
 _MAX_DIGITS = 9
 _MAX_ABS = 10**18
-_MAX_ATTEMPTS = 10_000
 _LINE = re.compile(r"^(calc|answer)\s*:?\s*(.*)$", re.IGNORECASE | re.DOTALL)
 _INT = re.compile(r"^-?\d{1,18}$")
 _TOKEN = re.compile(r"\s*(\d+|//|[-+*()])")
-
-
-def _hash(*parts: object) -> int:
-    """A stable 64-bit hash of ``parts`` (independent of PYTHONHASHSEED)."""
-    data = "\x1f".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 class CalcError(ValueError):
@@ -344,23 +337,18 @@ class CalculatorTask:
 
     def split_of(self, text: str) -> Split:
         """The split a problem text belongs to (a pure function of the text)."""
-        return "eval" if _hash(self.seed, "split", text) % EVAL_SHARE == 0 else "train"
+        return split_of(self.seed, text, EVAL_SHARE)
 
     def problem(self, split: Split, index: int) -> _Problem:
         """Problem ``index`` of ``split``: the first hashed candidate of that split."""
-        if split not in ("train", "eval"):
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        if index < 0:
-            raise ValueError(f"index must be >= 0, got {index}")
-        for attempt in range(_MAX_ATTEMPTS):
-            rng = random.Random(_hash(self.seed, split, index, attempt))
-            n_ops = rng.randint(self.min_ops, self.max_ops)
-            nums = [rng.randint(1, self.max_operand) for _ in range(n_ops + 1)]
-            ops = [rng.choice(self.ops) for _ in range(n_ops)]
-            text = str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(ops, nums[1:], strict=True))
-            if self.split_of(text) == split:
-                return _Problem(text, evaluate(text))
-        raise ValueError(f"no {split} problem found; increase max_operand or max_ops")
+        text = draw_problem(self.seed, split, index, self._draw, lambda t: t, EVAL_SHARE)
+        return _Problem(text, evaluate(text))
+
+    def _draw(self, rng: random.Random) -> str:
+        n_ops = rng.randint(self.min_ops, self.max_ops)
+        nums = [rng.randint(1, self.max_operand) for _ in range(n_ops + 1)]
+        ops = [rng.choice(self.ops) for _ in range(n_ops)]
+        return str(nums[0]) + "".join(f"{o}{n}" for o, n in zip(ops, nums[1:], strict=True))
 
     def make_env(self, split: Split, index: int) -> CalculatorEnv:
         """A fresh environment for problem ``index`` of ``split``."""
@@ -380,7 +368,7 @@ class CalculatorTask:
         (typo, wrong precedence, early guess, off-by-one answer) or a redundant call."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        rng = random.Random(_hash(self.seed, "demos", seed))
+        rng = random.Random(stable_hash(self.seed, "demos", seed))
         return [self._demo(rng) for _ in range(n)]
 
     def _demo(self, rng: random.Random) -> Conversation:

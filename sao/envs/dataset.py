@@ -24,7 +24,6 @@ not a finite number, gives reward 0 and its reason in the step's ``info``.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import numbers
@@ -35,6 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sao.envs._split import stable_hash
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = [
@@ -293,11 +293,6 @@ def _resolve_scorer(scorer: str | Scorer) -> Scorer:
     return named[scorer]
 
 
-def _hash(*parts: object) -> int:
-    data = "\x1f".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
-
-
 def wrong_answer(answer: str, pool: Sequence[str], rng: random.Random) -> str:
     """A plausible wrong answer: another example's, or an integer off by one."""
     others = [a for a in rng.sample(list(pool), min(len(pool), 8)) if a != answer]
@@ -352,11 +347,11 @@ class DatasetTask:
             evals = load_examples(train_path, split=eval_split, option="train_path", **keys)
         else:
             cut = int(eval_fraction * _SCALE)
-            held = [_hash(seed, e.prompt_text) % _SCALE < cut for e in train]
+            held = [stable_hash(seed, e.prompt_text) % _SCALE < cut for e in train]
             evals = [e for e, h in zip(train, held, strict=True) if h]
             train = [e for e, h in zip(train, held, strict=True) if not h]
             _check(bool(evals) and bool(train), "eval_fraction", "no example fell in one split")
-        random.Random(_hash(seed, "order")).shuffle(train)
+        random.Random(stable_hash(seed, "order")).shuffle(train)
         self.train = train
         self.eval = evals[:eval_limit] if eval_limit else evals
         self.instruction, self.system = instruction, system
@@ -386,7 +381,7 @@ class DatasetTask:
         """``n`` train examples answered with their reference, ``error_rate`` of them wrongly."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        rng = random.Random(_hash(self.seed, "demos", seed))
+        rng = random.Random(stable_hash(self.seed, "demos", seed))
         pool = [e.answer for e in self.train]
         demos = []
         for _ in range(n):

@@ -28,11 +28,11 @@ permutations of ``[1, N]``, so every number is held out equally often.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import random
 import re
 
+from sao.envs._split import stable_hash
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = ["GuessNumberEnv", "GuessNumberTask"]
@@ -43,12 +43,6 @@ SYSTEM_PROMPT = (
 )
 FORMAT_HINT = "format: guess 16"
 _LINE = re.compile(r"^guess\s*:?\s*(-?\d{1,12})\s*\.?$", re.IGNORECASE)
-
-
-def _hash(*parts: object) -> int:
-    """A stable 64-bit hash of ``parts`` (independent of PYTHONHASHSEED)."""
-    data = "\x1f".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 class GuessNumberEnv:
@@ -166,11 +160,11 @@ class GuessNumberTask:
         if index < 0:
             raise ValueError(f"index must be >= 0, got {index}")
         if split == "train":
-            return 1 + _hash(self.seed, "train", index) % self.n
+            return 1 + stable_hash(self.seed, "train", index) % self.n
         if split == "eval":
             block, pos = divmod(index, self.n)
             perm = list(range(1, self.n + 1))
-            random.Random(_hash(self.seed, "eval", block)).shuffle(perm)
+            random.Random(stable_hash(self.seed, "eval", block)).shuffle(perm)
             return perm[pos]
         raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
 
@@ -184,7 +178,7 @@ class GuessNumberTask:
         """``n`` noisy binary searches on train problems (some fail by running out of tries)."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        rng = random.Random(_hash(self.seed, "demos", seed))
+        rng = random.Random(stable_hash(self.seed, "demos", seed))
         return [self._demo(rng) for _ in range(n)]
 
     def _demo(self, rng: random.Random) -> Conversation:

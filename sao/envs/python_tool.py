@@ -30,13 +30,13 @@ its split, so no eval problem text ever appears in the train split.
 
 from __future__ import annotations
 
-import hashlib
 import random
 import re
 import string
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from sao.envs._split import draw_problem, split_of, stable_hash
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 from sao.envs.sandbox import SandboxResult, run_python
 
@@ -48,17 +48,10 @@ SYSTEM_PROMPT = (
     "Finish with 'answer X'."
 )
 FORMAT_HINT = "format: run print(1+2) or answer 3"
-_MAX_ATTEMPTS = 10_000
 _FENCE = re.compile(r"```[ \t]*(?:python|py)?[ \t]*\n(.*?)(?:```|\Z)", re.DOTALL | re.IGNORECASE)
 _RUN = re.compile(r"^run\b[ \t]*:?[ \t]*\n?(.*)$", re.DOTALL | re.IGNORECASE)
 _EXCEPTION = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b")
 _ANSWER = re.compile(r"^[ \t]*answer\b[ \t]*:?(?![ \t]*=)[ \t]*(.*)$", re.IGNORECASE | re.MULTILINE)
-
-
-def _hash(*parts: object) -> int:
-    """A stable 64-bit hash of ``parts`` (independent of PYTHONHASHSEED)."""
-    data = "\x1f".join(str(p) for p in parts).encode()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
 @dataclass(frozen=True)
@@ -299,20 +292,18 @@ class PythonToolTask:
 
     def split_of(self, text: str) -> Split:
         """The split a problem text belongs to (a pure function of the text)."""
-        return "eval" if _hash(self.seed, "split", text) % EVAL_SHARE == 0 else "train"
+        return split_of(self.seed, text, EVAL_SHARE)
 
     def problem(self, split: Split, index: int) -> Problem:
         """Problem ``index`` of ``split``: the first hashed candidate of that split."""
-        if split not in ("train", "eval"):
-            raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
-        if index < 0:
-            raise ValueError(f"index must be >= 0, got {index}")
-        for attempt in range(_MAX_ATTEMPTS):
-            rng = random.Random(_hash(self.seed, split, index, attempt))
-            p = KINDS[rng.choice(self.kinds)](rng)
-            if self.split_of(p.text) == split:
-                return p
-        raise ValueError(f"no {split} problem found for kinds {self.kinds}")
+        return draw_problem(
+            self.seed,
+            split,
+            index,
+            lambda rng: KINDS[rng.choice(self.kinds)](rng),
+            lambda p: p.text,
+            EVAL_SHARE,
+        )
 
     def make_env(self, split: Split, index: int) -> PythonToolEnv:
         """A fresh environment for problem ``index`` of ``split``."""
@@ -330,7 +321,7 @@ class PythonToolTask:
         (buggy program, unchecked guess, miscopied answer, crash then retry)."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
-        rng = random.Random(_hash(self.seed, "demos", seed))
+        rng = random.Random(stable_hash(self.seed, "demos", seed))
         return [self._demo(rng) for _ in range(n)]
 
     def _demo(self, rng: random.Random) -> Conversation:
