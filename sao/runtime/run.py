@@ -200,9 +200,11 @@ def _restore(
     return state, saved["step"], saved["version"]
 
 
-async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
+def _pipeline(
+    p: Parts, ckpt: Path | None
+) -> tuple[Orchestrator, TorchEngine, StalenessGate, TrajectoryBuffer]:
+    """Gate, buffer, engine and orchestrator, restored from ``ckpt`` when given."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
-    total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
     gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
     buffer = TrajectoryBuffer(
         gate, group_size=algo.group_size, dynamic_sampling=algo.dynamic_sampling
@@ -229,6 +231,13 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
         state=state,
     )
     orch.consumed, orch.version = start_step, version
+    return orch, engine, gate, buffer
+
+
+async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
+    cfg, algo = p.cfg, p.cfg.algo.resolve()
+    total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
+    orch, engine, gate, buffer = _pipeline(p, ckpt)
     logger = RunLogger(
         run_dir,
         total_steps=total,
