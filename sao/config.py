@@ -232,8 +232,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "calc-tiny": {
         "task": {
             "name": "calculator",
-            "options": {"min_ops": 1, "max_ops": 2, "early_answer_rate": 0.6},
-        }
+            # 60% of the demonstrations call only the first of two operations and answer
+            # its result: the warm start's greedy policy does so on every two-operation
+            # problem, sampling still finishes some; RL has to unlearn the habit.
+            "options": {"min_ops": 1, "max_ops": 2, "ops_per_call": 2, "early_answer_rate": 0.6},
+        },
+        "train": {"steps": 100},
+        "eval": {"episodes": 200},
     },
     "guess-tiny": {
         "task": {"name": "guess_number"},

@@ -105,9 +105,11 @@ class AlgoPreset:
     lam_critic: float = 1.0
     """Critic-target GAE lambda (1 = Monte-Carlo returns)."""
 
-    truncation: Truncation = "bootstrap"
-    """Episodes cut by the length limit: 'bootstrap' from the value at the cut, 'zero' (treat as
-    terminal), or 'drop' (not trained on).
+    truncation: Truncation = "zero"
+    """Episodes cut by the length limit: 'zero' (terminal: the environment's score is final),
+    'bootstrap' from the value at the cut (for tasks whose reward continues past the limit), or
+    'drop' (not trained on). Bootstrapping an episodic task pays a policy for running out of
+    budget (the value at the cut exceeds the score of a wrong answer), a reward hack.
     """
 
     whiten_advantages: bool = False

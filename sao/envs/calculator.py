@@ -284,8 +284,9 @@ class CalculatorTask:
     is the share of demonstrations with a systematic bad habit: answering with
     the first call's result instead of finishing the computation (correct only
     for one-operation problems), the kind of habit a warm-started policy
-    carries and RL must unlearn. ``system`` prepends a system message
-    describing the tool.
+    carries and RL must unlearn. ``system`` prepends a system
+    message describing the tool. Demonstrations call the whole problem at once
+    when it has at most ``ops_per_call`` operations, else one operation at a time.
     """
 
     name = "calculator"
@@ -373,11 +374,12 @@ class CalculatorTask:
 
     def _demo(self, rng: random.Random) -> Conversation:
         env = self.make_env("train", rng.randrange(10**9))
+        one_call = sum(env.problem.count(op) for op in "+-*") <= self.ops_per_call
         if rng.random() < self.early_answer_rate:
             (expr, value), *_ = solve_steps(env.problem)
             actions = [f"calc {expr}", f"answer {value}"]
         else:
-            actions = _demo_actions(env.problem, rng, self.error_rate)
+            actions = _demo_actions(env.problem, rng, self.error_rate, one_call=one_call)
         msgs = [Message("system", SYSTEM_PROMPT)] if self.system else []
         msgs.append(Message("user", env.prompt))
         for action in actions:
@@ -390,20 +392,26 @@ class CalculatorTask:
         return tuple(msgs)
 
 
-def _demo_actions(problem: str, rng: random.Random, error_rate: float) -> list[str]:
-    """Scripted actions for one demonstration, with a deliberate flaw at ``error_rate``."""
-    steps = solve_steps(problem)
+def _demo_actions(
+    problem: str, rng: random.Random, error_rate: float, *, one_call: bool = False
+) -> list[str]:
+    """Scripted actions for one demonstration, with a deliberate flaw at
+    ``error_rate``. ``one_call``: the whole problem in a single call."""
+    steps = [(problem, evaluate(problem))] if one_call else solve_steps(problem)
     calls = [f"calc {e}" for e, _ in steps]
     answer = steps[-1][1]
     if rng.random() >= error_rate:
         return [*calls, f"answer {answer}"]
     flaw = rng.choice(("typo", "order", "early", "off", "redundant"))
-    if flaw == "typo":
+    if flaw == "typo" or (one_call and flaw in ("order", "early")):
         # Miscopy an operand of the first call and carry the wrong value forward.
         parts = re.findall(r"\d+|//|[-+*]", problem)
         i = 2 * _next_op(parts[1::2]) + 2
         parts[i] = str(int(parts[i]) + rng.choice((1, 2, 10)))
-        bad_steps = solve_steps("".join(parts))
+        bad = "".join(parts)
+        if one_call:
+            return [f"calc {bad}", f"answer {evaluate(bad)}"]
+        bad_steps = solve_steps(bad)
         return [f"calc {e}" for e, _ in bad_steps] + [f"answer {bad_steps[-1][1]}"]
     if flaw == "order":
         # Ignore precedence: evaluate strictly left to right.

@@ -346,6 +346,11 @@ class StyleShiftTask:
     ``"openai"`` (then ``judge_base_url`` and ``judge_model`` are required).
     ``max_turns > 1`` lets the policy retry an untagged text after a format
     hint. ``error_rate`` is the share of flawed demonstrations.
+    ``demo_lean`` is the weight of the schedule's first style among the
+    demonstrations' styles (the others weigh 1 each): a warm start that leans
+    toward the first audience's taste, as a pretrained model's prior would, so
+    its greedy style is that style by a clear margin rather than by a tie
+    among four equally likely styles. After each switch the policy must move.
     """
 
     name = "style_shift"
@@ -361,6 +366,7 @@ class StyleShiftTask:
         max_chars: int = 240,
         max_turns: int = 1,
         error_rate: float = 0.3,
+        demo_lean: float = 2.0,
         system: bool = False,
         judge: str = "builtin",
         judge_base_url: str = "",
@@ -376,6 +382,7 @@ class StyleShiftTask:
         _check(max_turns >= 1, "max_turns", "use 1 or more")
         _check(eval_size >= 1, "eval_size", "use 1 or more")
         _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
+        _check(demo_lean > 0, "demo_lean", "use a weight > 0 (1 = all styles equally likely)")
         self.judge: Judge
         if judge == "builtin":
             self.judge = BuiltinJudge(min_words, max_words, max_chars)
@@ -398,6 +405,7 @@ class StyleShiftTask:
         self._eval_size = eval_size
         self.max_turns = max_turns
         self.error_rate = error_rate
+        self.demo_weights = [demo_lean if s == self.schedule[0][1] else 1.0 for s in STYLES]
         self.system = system
         self.train_step = 0
         phrases = [f"{a} {n}" for a in ADJECTIVES for n in NOUNS]
@@ -449,8 +457,8 @@ class StyleShiftTask:
         )
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:
-        """``n`` single-turn texts in uniformly chosen styles; ``error_rate`` of
-        them are flawed (off topic, too short, repetitive, mismatched or untagged)."""
+        """``n`` single-turn texts in styles drawn with ``demo_weights``; ``error_rate``
+        of them are flawed (off topic, too short, repetitive, mismatched or untagged)."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         rng = random.Random(_hash(self.seed, "demos", seed))
@@ -463,7 +471,7 @@ class StyleShiftTask:
         return out
 
     def _demo_text(self, topic: str, rng: random.Random) -> str:
-        style = rng.choice(STYLES)
+        style = rng.choices(STYLES, weights=self.demo_weights)[0]
         body = rng.choice(TEMPLATES[style]).format(t=topic)
         if rng.random() >= self.error_rate:
             return f"[{style}] {body}"

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from rich.progress import (
@@ -137,12 +138,14 @@ def _prepare(
     return examples, len(encoded) - len(examples), int(pad_id)
 
 
-def _check_args(epochs: int, lr: float, batch_size: int, max_len: int) -> None:
+def _check_args(epochs: int, lr: float, batch_size: int, max_len: int, warmup: float) -> None:
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"sft: {name} must be an int >= 1, got {value!r}")
     if not (isinstance(lr, (int, float)) and 0 < lr < float("inf")):
         raise ValueError(f"sft: lr must be a finite number > 0, got {lr!r}")
+    if not (isinstance(warmup, (int, float)) and 0 <= warmup < 1):
+        raise ValueError(f"sft: warmup_frac must be in [0, 1), got {warmup!r}")
 
 
 def _progress(enabled: bool) -> Progress:
@@ -154,6 +157,19 @@ def _progress(enabled: bool) -> Progress:
         TimeRemainingColumn(),
         disable=not enabled,
     )
+
+
+def _linear_schedule(total: int, warmup_frac: float) -> Callable[[int], float]:
+    """LR multiplier at step ``s``: linear warm-up over ``warmup`` steps, then
+    linear decay, reaching zero after ``total`` steps."""
+    warmup = max(1, round(warmup_frac * total))
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        return max(0.0, (total - s) / max(1, total - warmup))
+
+    return factor
 
 
 @dataclass
@@ -169,6 +185,7 @@ class _Tally:
 def _train_epoch(
     model: PreTrainedModel,
     optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
     batches: Sequence[Sequence[EncodedConversation]],
     pad_id: int,
     max_grad_norm: float,
@@ -188,6 +205,7 @@ def _train_epoch(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
         optimizer.step()
+        scheduler.step()
         value = float(loss.detach())
         if tally.steps == 0:
             tally.initial_loss = value
@@ -210,23 +228,36 @@ def sft(
     max_len: int = 512,
     seed: int = 0,
     max_grad_norm: float = 1.0,
+    schedule: Literal["linear", "constant"] = "linear",
+    warmup_frac: float = 0.03,
     progress: bool = True,
 ) -> SFTReport:
-    """Fine-tune ``model`` in place on ``conversations`` (AdamW, constant
-    ``lr``, no weight decay, gradient norm clipped to ``max_grad_norm``).
+    """Fine-tune ``model`` in place on ``conversations`` (AdamW, no weight
+    decay, gradient norm clipped to ``max_grad_norm``). With ``schedule=
+    "linear"`` the learning rate warms up linearly to ``lr`` over the first
+    ``warmup_frac`` of the steps, then decays linearly to zero: batches hold
+    conversations of similar length, which often share behaviour (e.g. all
+    two-turn episodes answer early), so with a constant rate the last few
+    batches decide such choices; the decay averages them out and keeps the
+    policy calibrated to the data. ``"constant"`` keeps ``lr`` throughout.
 
     Loss per step: ``-sum(mask * logp) / sum(mask)`` over the batch's
     assistant tokens. Conversations with no assistant token (after
     truncation to ``max_len``) are skipped and counted. Deterministic for a
     ``seed`` given the same starting weights.
     """
-    _check_args(epochs, lr, batch_size, max_len)
+    _check_args(epochs, lr, batch_size, max_len, warmup_frac)
+    if schedule not in ("linear", "constant"):
+        raise ValueError(f"sft: schedule must be 'linear' or 'constant', got {schedule!r}")
     examples, skipped, pad_id = _prepare(tokenizer, conversations, max_len)
     gen = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(
         [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
     )
     lengths = [len(e.token_ids) for e in examples]
+    total = epochs * math.ceil(len(examples) / batch_size)
+    factor = _linear_schedule(total, warmup_frac) if schedule == "linear" else (lambda s: 1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     was_training, tally, epoch_losses = model.training, _Tally(), []
     model.train()
     start = time.perf_counter()
@@ -238,7 +269,14 @@ def sft(
                 batches = [[examples[i] for i in idx] for idx in idx_batches]
                 epoch_losses.append(
                     _train_epoch(
-                        model, optimizer, batches, pad_id, max_grad_norm, tally, (bar, task)
+                        model,
+                        optimizer,
+                        scheduler,
+                        batches,
+                        pad_id,
+                        max_grad_norm,
+                        tally,
+                        (bar, task),
                     )
                 )
     finally:

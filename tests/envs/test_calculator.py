@@ -196,6 +196,28 @@ def test_demonstrations_match_env_and_are_imperfect() -> None:
     assert 0.6 < sum(scores) / len(scores) < 0.95
 
 
+def test_demonstrations_call_the_whole_problem_when_the_tool_allows() -> None:
+    # ops_per_call=2 and at most 2 operations: a clean demo is one call and an answer;
+    # the early-answer habit calls the first operation only and answers its result.
+    task = CalculatorTask(
+        min_ops=1, max_ops=2, ops_per_call=2, error_rate=0.0, early_answer_rate=0.5
+    )
+    kinds: dict[str, int] = {"whole": 0, "habit": 0}
+    for conv in task.demonstrations(400, seed=3):
+        problem = conv[0].content.removeprefix("solve ")
+        actions = [m.content for m in conv if m.role == "assistant"]
+        assert len(actions) == 2 and actions[1].startswith("answer ")
+        first_op, first_value = solve_steps(problem)[0]
+        if actions[0] == f"calc {problem}":
+            kinds["whole"] += 1
+            assert actions[1] == f"answer {evaluate(problem)}"
+        else:
+            kinds["habit"] += 1
+            assert actions == [f"calc {first_op}", f"answer {first_value}"]
+    # the habit is visible only on two-operation problems (about half of them)
+    assert kinds["habit"] > 60 and kinds["whole"] > 200
+
+
 def test_system_message_option() -> None:
     task = CalculatorTask(system=True)
     env = task.make_env("train", 0)

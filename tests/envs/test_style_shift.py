@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import threading
 import time
 from collections import Counter
@@ -204,6 +205,23 @@ def test_demonstrations_cover_styles_and_are_imperfect() -> None:
     assert set(styles) >= set(STYLES)
     good = sum(v.quality and v.style is not None for v in verdicts) / len(verdicts)
     assert 0.55 < good < 0.9
+
+
+def test_demonstrations_lean_toward_the_first_scheduled_style() -> None:
+    # demo_lean=2: the first style weighs 2 of 5, each other style 1 of 5.
+    def tags(task: StyleShiftTask) -> Counter[str]:
+        demos = task.demonstrations(2000, seed=1)
+        return Counter(m.group(1) for c in demos if (m := re.match(r"\[(\w+)\]", c[-1].content)))
+
+    cute = tags(StyleShiftTask())
+    assert cute.most_common(1)[0][0] == "cute"
+    assert 0.33 < cute["cute"] / sum(cute.values()) < 0.47
+    classical = tags(StyleShiftTask(schedule=[(0, "classical"), (10, "cute")]))
+    assert classical.most_common(1)[0][0] == "classical"
+    flat = tags(StyleShiftTask(demo_lean=1.0))
+    assert max(flat.values()) / sum(flat.values()) < 0.3
+    with pytest.raises(ValueError, match="demo_lean"):
+        StyleShiftTask(demo_lean=0.0)
 
 
 # --- the optional LLM judge, against a local canned server -------------------

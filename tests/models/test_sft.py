@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sao.models import build_tiny_policy, encode_conversation, sequence_logprobs, sft
-from sao.models.sft import _collate
+from sao.models.sft import _collate, _linear_schedule
 from sao.types import Message
 
 HI_YO = (Message("user", "hi"), Message("assistant", "yo"))
@@ -75,7 +75,15 @@ def test_sft_reduces_loss_and_is_deterministic(char_tok):
     for _ in range(2):
         model = build_tiny_policy(char_tok, size="0.1m", seed=0)
         report = sft(
-            model, char_tok, convos, epochs=4, lr=3e-3, batch_size=8, seed=1, progress=False
+            model,
+            char_tok,
+            convos,
+            epochs=4,
+            lr=3e-3,
+            batch_size=8,
+            seed=1,
+            schedule="constant",
+            progress=False,
         )
         runs.append((model, report))
     (m1, r1), (m2, r2) = runs
@@ -116,6 +124,38 @@ def test_sft_errors_name_the_input(char_tok, tiny_llama):
         ({"lr": -1.0}, "lr"),
         ({"batch_size": 0}, "batch_size"),
         ({"max_len": 0}, "max_len"),
+        ({"warmup_frac": 1.0}, "warmup_frac"),
+        ({"schedule": "cosine"}, "schedule"),
     ):
         with pytest.raises(ValueError, match=f"sft: {name} must be"):
             sft(tiny_llama, char_tok, [HI_YO], progress=False, **kwargs)
+
+
+def test_linear_schedule_by_hand():
+    # 10 steps, warm-up 20% = 2 steps: 1/2, 2/2, then (10 - s) / 8 down to 1/8.
+    f = _linear_schedule(10, 0.2)
+    assert [f(s) for s in range(10)] == [
+        0.5,
+        1.0,
+        1.0,
+        7 / 8,
+        6 / 8,
+        5 / 8,
+        4 / 8,
+        3 / 8,
+        2 / 8,
+        1 / 8,
+    ]
+    assert f(10) == 0.0
+    assert _linear_schedule(3, 0.0)(0) == 1.0  # at least one warm-up step
+
+
+def test_schedules_differ_and_are_deterministic(char_tok):
+    def run(schedule):
+        model = build_tiny_policy(char_tok, size="0.1m", seed=0)
+        sft(model, char_tok, [HI_YO] * 8, epochs=2, batch_size=2, schedule=schedule, progress=False)
+        return torch.cat([p.detach().flatten() for p in model.parameters()])
+
+    linear, constant = run("linear"), run("constant")
+    assert torch.equal(linear, run("linear"))
+    assert not torch.allclose(linear, constant)
