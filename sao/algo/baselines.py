@@ -163,8 +163,10 @@ class RunningMeanBaseline:
 
     ``advantages`` uses only rewards from earlier calls (rows of one batch do
     not see each other [choice]), then appends this batch's rewards in order.
-    [choice] With no history yet (first sight of a prompt, or of anything in
-    the global mode) the advantage is 0: no baseline, no signal.
+    [choice] A prompt seen for the first time is baselined by the global
+    window (the last ``window`` rewards overall): tasks that draw a fresh
+    problem for every episode, like the built-in ones, would otherwise get no
+    signal at all. With no history whatsoever the advantage is 0.
     """
 
     def __init__(self, window: int, per_prompt: bool) -> None:
@@ -173,9 +175,11 @@ class RunningMeanBaseline:
         self.window = window
         self.per_prompt = per_prompt
         self._history: dict[str, deque[float]] = {}
+        self._global: deque[float] = deque(maxlen=window)
 
-    def _key(self, prompt_id: str) -> str:
-        return prompt_id if self.per_prompt else ""
+    def _past(self, prompt_id: str) -> deque[float]:
+        own = self._history.get(prompt_id) if self.per_prompt else None
+        return own if own else self._global
 
     def advantages(self, rewards_B: torch.Tensor, prompt_ids: Sequence[str]) -> torch.Tensor:
         """Shapes: ``rewards_B`` [B], ``prompt_ids`` B strings -> [B]."""
@@ -186,18 +190,24 @@ class RunningMeanBaseline:
             )
         baseline = []
         for pid, r in zip(prompt_ids, x_B.tolist(), strict=True):
-            past = self._history.get(self._key(pid))
+            past = self._past(pid)
             baseline.append(sum(past) / len(past) if past else r)
         adv_B = x_B - torch.tensor(baseline, dtype=x_B.dtype, device=x_B.device)
         for pid, r in zip(prompt_ids, x_B.tolist(), strict=True):
-            key = self._key(pid)
-            self._history.setdefault(key, deque(maxlen=self.window)).append(r)
+            self._global.append(r)
+            if self.per_prompt:
+                self._history.setdefault(pid, deque(maxlen=self.window)).append(r)
         return adv_B.to(out_dtype)
 
     def state_dict(self) -> dict[str, object]:
-        """JSON-serialisable state: window, mode and the reward windows."""
+        """JSON-serialisable state: window, mode, the per-prompt windows and the global one."""
         history = {k: list(v) for k, v in self._history.items()}
-        return {"window": self.window, "per_prompt": self.per_prompt, "history": history}
+        return {
+            "window": self.window,
+            "per_prompt": self.per_prompt,
+            "history": history,
+            "global": list(self._global),
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore from :meth:`state_dict`. The mode must match; a saved window
@@ -210,9 +220,13 @@ class RunningMeanBaseline:
         history = state.get("history")
         if not isinstance(history, dict):
             raise ValueError("state['history'] must be a dict of prompt id -> list of rewards")
+        glob = state.get("global", [])
+        if not isinstance(glob, list):
+            raise ValueError("state['global'] must be a list of rewards")
         self._history = {
             str(k): deque((float(r) for r in v), maxlen=self.window) for k, v in history.items()
         }
+        self._global = deque((float(r) for r in glob), maxlen=self.window)
 
 
 # --------------------------------------------------------------------------- internals

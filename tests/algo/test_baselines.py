@@ -92,13 +92,16 @@ def test_overlong_penalty() -> None:
 
 def test_running_mean_per_prompt() -> None:
     base = RunningMeanBaseline(window=2, per_prompt=True)
-    # no history -> 0 [choice]
+    # no history at all -> 0 [choice]
     assert base.advantages(torch.tensor([1.0, 0.0]), ["a", "b"]).tolist() == [0.0, 0.0]
-    # a's window [1]: 3 - 1 = 2, 1 - 1 = 0 (rows of a batch don't see each other); c is new -> 0
+    # a's window [1]: 3 - 1 = 2, 1 - 1 = 0 (rows of a batch don't see each other);
+    # c is new -> the global window (size 2) [1, 0], mean 0.5: 5 - 0.5 = 4.5
     adv = base.advantages(torch.tensor([3.0, 1.0, 5.0]), ["a", "a", "c"])
-    assert adv.tolist() == [2.0, 0.0, 0.0]
+    assert adv.tolist() == [2.0, 0.0, 4.5]
     # a's window (size 2) is now [3, 1]: 0 - 2 = -2; b's window [0]: 4 - 0 = 4
     assert base.advantages(torch.tensor([0.0, 4.0]), ["a", "b"]).tolist() == [-2.0, 4.0]
+    # d is new; the global window is now [0, 4] (the last two rewards): 1 - 2 = -1
+    assert base.advantages(torch.tensor([1.0]), ["d"]).tolist() == [-1.0]
 
 
 def test_running_mean_global_and_state_round_trip() -> None:
@@ -122,6 +125,7 @@ def test_running_mean_shorter_window_on_load() -> None:
     small = RunningMeanBaseline(window=2, per_prompt=True)
     small.load_state_dict(base.state_dict())
     assert small.state_dict()["history"] == {"a": [2.0, 3.0]}
+    assert small.state_dict()["global"] == [2.0, 3.0]
 
 
 @settings(max_examples=100, deadline=None)
