@@ -12,19 +12,8 @@ import yaml
 import sao.runtime.run
 from sao.cli import main
 from sao.config import Config, load_config, to_dict
-from sao.models.tiny import build_tiny_policy
-from sao.models.tokenization import build_char_tokenizer
 
 QUIET = ["--set", "log.live=false", "--set", "log.tensorboard=false", "--set", "log.plots=false"]
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = build_char_tokenizer(alphabet="ab\n")
-    build_tiny_policy(tokenizer, size="0.1m", seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def fails(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:

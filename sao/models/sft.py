@@ -138,7 +138,9 @@ def _prepare(
     return examples, len(encoded) - len(examples), int(pad_id)
 
 
-def _check_args(epochs: int, lr: float, batch_size: int, max_len: int, warmup: float) -> None:
+def _check_args(
+    epochs: int, lr: float, batch_size: int, max_len: int, warmup: float, schedule: str
+) -> None:
     for name, value in (("epochs", epochs), ("batch_size", batch_size), ("max_len", max_len)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"sft: {name} must be an int >= 1, got {value!r}")
@@ -146,6 +148,8 @@ def _check_args(epochs: int, lr: float, batch_size: int, max_len: int, warmup: f
         raise ValueError(f"sft: lr must be a finite number > 0, got {lr!r}")
     if not (isinstance(warmup, (int, float)) and 0 <= warmup < 1):
         raise ValueError(f"sft: warmup_frac must be in [0, 1), got {warmup!r}")
+    if schedule not in ("linear", "constant"):
+        raise ValueError(f"sft: schedule must be 'linear' or 'constant', got {schedule!r}")
 
 
 def _progress(enabled: bool) -> Progress:
@@ -172,6 +176,20 @@ def _linear_schedule(total: int, warmup_frac: float) -> Callable[[int], float]:
     return factor
 
 
+def _optimizer(
+    model: PreTrainedModel, lr: float, schedule: str, total: int, warmup_frac: float
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW (no weight decay) over the trainable parameters and its LR schedule."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    factor = _linear_schedule(total, warmup_frac) if schedule == "linear" else _constant
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def _constant(step: int) -> float:
+    return 1.0
+
+
 @dataclass
 class _Tally:
     """Running counts across epochs."""
@@ -184,8 +202,7 @@ class _Tally:
 
 def _train_epoch(
     model: PreTrainedModel,
-    optimizer: torch.optim.Optimizer,
-    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    opt: tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler],
     batches: Sequence[Sequence[EncodedConversation]],
     pad_id: int,
     max_grad_norm: float,
@@ -194,6 +211,7 @@ def _train_epoch(
 ) -> float:
     """One pass over ``batches``; returns the token-mean loss of the epoch."""
     device = next(model.parameters()).device
+    optimizer, scheduler = opt
     params = [p for group in optimizer.param_groups for p in group["params"]]
     loss_sum, count = 0.0, 0
     for batch in batches:
@@ -233,31 +251,23 @@ def sft(
     progress: bool = True,
 ) -> SFTReport:
     """Fine-tune ``model`` in place on ``conversations`` (AdamW, no weight
-    decay, gradient norm clipped to ``max_grad_norm``). With ``schedule=
-    "linear"`` the learning rate warms up linearly to ``lr`` over the first
-    ``warmup_frac`` of the steps, then decays linearly to zero: batches hold
-    conversations of similar length, which often share behaviour (e.g. all
-    two-turn episodes answer early), so with a constant rate the last few
-    batches decide such choices; the decay averages them out and keeps the
-    policy calibrated to the data. ``"constant"`` keeps ``lr`` throughout.
+    decay, gradient norm clipped to ``max_grad_norm``). ``schedule="linear"``:
+    the LR warms up to ``lr`` over the first ``warmup_frac`` of the steps, then
+    decays linearly to zero. Batches hold conversations of similar length, which
+    often share behaviour (e.g. all answer early), so with a constant LR the last
+    batches decide such choices; the decay keeps the policy calibrated to the data.
 
     Loss per step: ``-sum(mask * logp) / sum(mask)`` over the batch's
     assistant tokens. Conversations with no assistant token (after
     truncation to ``max_len``) are skipped and counted. Deterministic for a
     ``seed`` given the same starting weights.
     """
-    _check_args(epochs, lr, batch_size, max_len, warmup_frac)
-    if schedule not in ("linear", "constant"):
-        raise ValueError(f"sft: schedule must be 'linear' or 'constant', got {schedule!r}")
+    _check_args(epochs, lr, batch_size, max_len, warmup_frac, schedule)
     examples, skipped, pad_id = _prepare(tokenizer, conversations, max_len)
     gen = torch.Generator().manual_seed(seed)
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0
-    )
-    lengths = [len(e.token_ids) for e in examples]
     total = epochs * math.ceil(len(examples) / batch_size)
-    factor = _linear_schedule(total, warmup_frac) if schedule == "linear" else (lambda s: 1.0)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    opt = _optimizer(model, lr, schedule, total, warmup_frac)
+    lengths = [len(e.token_ids) for e in examples]
     was_training, tally, epoch_losses = model.training, _Tally(), []
     model.train()
     start = time.perf_counter()
@@ -267,18 +277,8 @@ def sft(
                 idx_batches = _length_batches(lengths, batch_size, gen)
                 task = bar.add_task("sft", total=len(idx_batches), epoch=epoch + 1, loss=math.nan)
                 batches = [[examples[i] for i in idx] for idx in idx_batches]
-                epoch_losses.append(
-                    _train_epoch(
-                        model,
-                        optimizer,
-                        scheduler,
-                        batches,
-                        pad_id,
-                        max_grad_norm,
-                        tally,
-                        (bar, task),
-                    )
-                )
+                loss = _train_epoch(model, opt, batches, pad_id, max_grad_norm, tally, (bar, task))
+                epoch_losses.append(loss)
     finally:
         model.train(was_training)
     seconds = time.perf_counter() - start

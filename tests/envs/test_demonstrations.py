@@ -11,20 +11,13 @@ from typing import Any
 
 import pytest
 
+from sao.cli import TINY_PRESETS
 from sao.config import PRESETS
 from sao.envs.base import Conversation, Env, Split, Task
 from sao.envs.registry import make_task, task_names
 from sao.envs.style_shift import STYLES, StyleShiftEnv, StyleShiftTask
 from tests.envs.conftest import replay
 
-TINY_PRESETS = {
-    "calculator": "calc-tiny",
-    "guess_number": "guess-tiny",
-    "python_tool": "python-tiny",
-    "style_shift": "style-shift-tiny",
-    "reasoning_gym": "rgym-tiny",
-}
-"""The preset that configures each task's tiny warm-started policy."""
 SIZES = {"python_tool": 24}
 """Demonstrations per check (python_tool runs each program in the sandbox)."""
 

@@ -17,8 +17,6 @@ import torch
 from sao.algo.presets import get_preset
 from sao.config import Config, ConfigError, load_config
 from sao.models.loading import load_policy
-from sao.models.tiny import build_tiny_policy
-from sao.models.tokenization import build_char_tokenizer
 from sao.models.value import ValueModel
 from sao.runtime import checkpoint as ckpt_mod
 from sao.runtime.checkpoint import (
@@ -35,15 +33,6 @@ from sao.runtime.run import train
 from sao.train.trainer import OptimSettings, Trainer
 from sao.types import SamplingParams, Trajectory, Turn
 from tests.train.test_learning import SayATask
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = build_char_tokenizer(alphabet="ab\n")
-    build_tiny_policy(tokenizer, size="0.1m", seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def traj(index: int, *, reward: float = 0.5, version: int = 0) -> Trajectory:

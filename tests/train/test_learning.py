@@ -10,8 +10,6 @@ import pytest
 
 from sao.config import load_config
 from sao.envs.base import Conversation, Split
-from sao.models.tiny import build_tiny_policy
-from sao.models.tokenization import build_char_tokenizer
 from sao.runtime.run import train
 from sao.types import Env, Message, StepResult
 
@@ -44,15 +42,6 @@ class SayATask:
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:
         return [(Message("user", "a"), Message("assistant", "aaaa"))] * n
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = build_char_tokenizer(alphabet="ab\n")
-    build_tiny_policy(tokenizer, size="0.1m", seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def run(tmp_path: Path, policy: Path, *overrides: str) -> list[dict[str, float]]:

@@ -15,22 +15,11 @@ import sao.train.trainer as trainer_mod
 from sao.algo.presets import get_preset
 from sao.config import load_config
 from sao.models.loading import load_policy
-from sao.models.tiny import build_tiny_policy
-from sao.models.tokenization import build_char_tokenizer
 from sao.models.value import ValueModel
 from sao.runtime.run import train
 from sao.train.trainer import NonFiniteError, OptimSettings, Trainer
 from sao.types import Trajectory, Turn
 from tests.train.test_learning import SayATask
-
-
-@pytest.fixture(scope="module")
-def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("policy")
-    tokenizer = build_char_tokenizer(alphabet="ab\n")
-    build_tiny_policy(tokenizer, size="0.1m", seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 class NanSwitch:
