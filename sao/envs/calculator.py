@@ -374,7 +374,7 @@ class CalculatorTask:
 
     def _demo(self, rng: random.Random) -> Conversation:
         env = self.make_env("train", rng.randrange(10**9))
-        one_call = sum(env.problem.count(op) for op in "+-*") <= self.ops_per_call
+        one_call = len(re.findall(r"//|[-+*]", env.problem)) <= self.ops_per_call
         if rng.random() < self.early_answer_rate:
             (expr, value), *_ = solve_steps(env.problem)
             actions = [f"calc {expr}", f"answer {value}"]

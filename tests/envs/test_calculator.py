@@ -216,6 +216,13 @@ def test_demonstrations_call_the_whole_problem_when_the_tool_allows() -> None:
             assert actions == [f"calc {first_op}", f"answer {first_value}"]
     # the habit is visible only on two-operation problems (about half of them)
     assert kinds["habit"] > 60 and kinds["whole"] > 200
+    # floor division counts as one operation: with one operation per call, a problem
+    # such as 12//3+4 takes two calls (user, calc, =, calc, =, answer)
+    floordiv = CalculatorTask(
+        min_ops=2, max_ops=2, ops_per_call=1, allow_floordiv=True, error_rate=0.0
+    )
+    demos = [c for c in floordiv.demonstrations(60, seed=0) if "//" in c[0].content]
+    assert demos and all(len(conv) == 6 for conv in demos)
 
 
 def test_system_message_option() -> None:
