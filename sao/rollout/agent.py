@@ -55,7 +55,7 @@ from sao.rollout.chat import (
     split_observation,
     validate_observation,
 )
-from sao.rollout.engine import Engine
+from sao.rollout.engine import Engine, episode_key
 from sao.types import (
     Completion,
     Env,
@@ -409,10 +409,13 @@ async def run_episode(
     if not isinstance(limits, EpisodeLimits):
         raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
     ep = _Episode()
+    key = episode_key.set(f"{prompt_id}#{group_id}#{seed}")
     try:
         reason, error = await _play(env, engine, tokenizer, sampling, limits, ep, seed)
     except _EnvFailure as failure:
         reason, error = failure.reason, failure.message
+    finally:
+        episode_key.reset(key)
     reward, score_error = _score(env)
     if score_error is not None:
         error = score_error if error is None else f"{error}; {score_error}"

@@ -10,11 +10,15 @@ in-place weight copy into the model is all a weight update needs.
 :class:`DynamicCacheForward` is the fallback for every other causal LM: the
 model's own forward with one ``DynamicCache`` per request, one request at a
 time. It is correct for any architecture the model's forward is correct for,
-but does not batch the decode step, so it is much slower.
+but does not batch the decode step, so it is much slower, and it does not
+reuse cached prefixes.
 
-Both expose the same three calls: ``prefill`` (write a slot's cache from a full
-sequence, return the logits at its last position), ``decode`` (feed one token
-per slot at its position, return the next-token logits) and ``release``.
+Both expose the same calls: ``prefill`` (write a slot's cache from a sequence
+fed at positions ``start..start+len-1`` on top of the ``start`` positions the
+slot already holds, return the logits at its last position), ``decode`` (feed
+one token per slot at its position, return the next-token logits), ``release``,
+and the slot moves the scheduler's compaction and prefix reuse need: ``move``,
+``copy``, ``swap``.
 """
 
 from __future__ import annotations
@@ -29,11 +33,21 @@ from torch import nn
 
 STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
+# ``kv_io(layer, k, v)`` stores a layer's new keys and values, returns those to attend over.
+KVIO = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+# Boolean attention masks ``[N, 1, Tq, Tk]`` by sliding-window size (None = full).
+Masks = dict[int | None, torch.Tensor]
+
 
 class CachedForward(Protocol):
     """What the engine needs from a cached forward pass."""
 
-    def prefill(self, slots: Sequence[int], seqs: Sequence[Sequence[int]]) -> torch.Tensor: ...
+    def prefill(
+        self,
+        slots: Sequence[int],
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor: ...
 
     def decode(
         self, slots: Sequence[int], tokens: Sequence[int], positions: Sequence[int]
@@ -42,6 +56,10 @@ class CachedForward(Protocol):
     def release(self, slot: int) -> None: ...
 
     def move(self, src: int, dst: int, length: int) -> None: ...
+
+    def copy(self, src: int, dst: int, length: int) -> None: ...
+
+    def swap(self, a: int, b: int, length: int) -> None: ...
 
     def close(self) -> None: ...
 
@@ -162,8 +180,8 @@ class StaticKVForward:
         self,
         h_NTC: torch.Tensor,
         pos_NT: torch.Tensor,
-        kv_io: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
-        masks: dict[int | None, torch.Tensor],
+        kv_io: KVIO,
+        masks: Masks,
     ) -> torch.Tensor:
         """Run every decoder layer; ``kv_io(i, k, v)`` stores the new keys and
         returns those to attend over. Returns the final-normed hidden states."""
@@ -177,20 +195,31 @@ class StaticKVForward:
             h_NTC = h_NTC + layer.mlp(layer.post_attention_layernorm(h_NTC))
         return self.backbone.norm(h_NTC)
 
-    def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor) -> dict:
+    def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor) -> Masks:
         """Boolean masks ``[N, 1, Tq, Tk]`` per window size: causal, valid keys,
         and ``q - k < window`` (HF ``sliding_window_overlay``)."""
         base = (k_pos <= q_pos) & valid
-        masks: dict[int | None, torch.Tensor] = {}
+        masks: Masks = {}
         for w in set(self.windows):
             masks[w] = (base if w is None else base & (k_pos > q_pos - w)).unsqueeze(1)
         return masks
 
     @torch.no_grad()
-    def prefill(self, slots: Sequence[int], seqs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Write each slot's cache from positions ``0..len-1`` of its sequence.
+    def prefill(
+        self,
+        slots: Sequence[int],
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Write slot ``slots[n]``'s cache at positions ``starts[n] ..
+        starts[n] + len(seqs[n]) - 1`` from ``seqs[n]`` (``starts=None``: all 0).
 
-        Returns ``logits_NV`` at each sequence's last position (model dtype).
+        Positions below ``starts[n]`` must already hold the keys and values of
+        the sequence's first ``starts[n]`` tokens (a reused prefix): the new
+        tokens attend to those and, causally, to each other, which is the same
+        arithmetic as prefilling the whole sequence. Rows with different
+        offsets prefill together. Returns ``logits_NV`` at each sequence's last
+        position (model dtype).
         """
         dev = self.device
         lens = [len(s) for s in seqs]
@@ -201,8 +230,21 @@ class StaticKVForward:
         ids_NT = ids_NT.to(dev)
         len_N = torch.tensor(lens, device=dev)
         slot_N = torch.tensor(list(slots), device=dev)
+        if starts is not None and any(starts):
+            pos_NT, masks, kv_io = self._offset_io(slot_N, torch.tensor(list(starts)), len_N, T)
+        else:
+            pos_NT, masks, kv_io = self._fresh_io(slot_N, len_N, T)
+        h_NTC = self._layers(self.backbone.embed_tokens(ids_NT), pos_NT, kv_io, masks)
+        last_NC = h_NTC[torch.arange(N, device=dev), len_N - 1]
+        return self.model.lm_head(last_NC)
+
+    def _fresh_io(
+        self, slot_N: torch.Tensor, len_N: torch.Tensor, T: int
+    ) -> tuple[torch.Tensor, Masks, KVIO]:
+        """Positions, masks and cache writer of a prefill from position 0: the
+        tokens attend to their own keys, the cache is only written."""
+        dev, N = self.device, len(slot_N)
         pos_T = torch.arange(T, device=dev)
-        pos_NT = pos_T.expand(N, T)
         masks = self._masks(
             pos_T.view(1, T, 1), pos_T.view(1, 1, T), pos_T.view(1, 1, T) < len_N.view(N, 1, 1)
         )
@@ -212,9 +254,32 @@ class StaticKVForward:
             self.v_cache[i, slot_N, :, :T] = v
             return k, v
 
-        h_NTC = self._layers(self.backbone.embed_tokens(ids_NT), pos_NT, kv_io, masks)
-        last_NC = h_NTC[torch.arange(N, device=dev), len_N - 1]
-        return self.model.lm_head(last_NC)
+        return pos_T.expand(N, T), masks, kv_io
+
+    def _offset_io(
+        self, slot_N: torch.Tensor, start_N: torch.Tensor, len_N: torch.Tensor, T: int
+    ) -> tuple[torch.Tensor, Masks, KVIO]:
+        """Positions, masks and cache reader/writer of a prefill on top of a
+        cached prefix: row n's token t sits at position ``start_N[n] + t``; only
+        real (unpadded) tokens are written, and every row attends over its
+        slot's cache ``[0, L)``, L the longest ``start + len``."""
+        dev, N = self.device, len(slot_N)
+        start_N = start_N.to(dev)
+        pos_NT = start_N.view(N, 1) + torch.arange(T, device=dev)
+        end_N = start_N + len_N
+        L = int(end_N.max())
+        n_M, t_M = (torch.arange(T, device=dev) < len_N.view(N, 1)).nonzero(as_tuple=True)
+        slot_M, p_M = slot_N[n_M], pos_NT[n_M, t_M]
+        k_pos = torch.arange(L, device=dev).view(1, 1, L)
+        masks = self._masks(pos_NT.view(N, T, 1), k_pos, k_pos < end_N.view(N, 1, 1))
+
+        def kv_io(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            k_cache, v_cache = self.k_cache[i], self.v_cache[i]  # [slots, K, S, D] views
+            k_cache[slot_M, :, p_M] = k.transpose(1, 2)[n_M, t_M]  # [M, K, D]
+            v_cache[slot_M, :, p_M] = v.transpose(1, 2)[n_M, t_M]
+            return k_cache[slot_N, :, :L], v_cache[slot_N, :, :L]
+
+        return pos_NT, masks, kv_io
 
     @torch.no_grad()
     def decode(
@@ -262,6 +327,18 @@ class StaticKVForward:
         self.k_cache[:, dst, :, :length] = self.k_cache[:, src, :, :length]
         self.v_cache[:, dst, :, :length] = self.v_cache[:, src, :, :length]
 
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Copy the first ``length`` positions of ``src`` into ``dst``; ``src`` keeps them."""
+        self.move(src, dst, length)
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the first ``length`` cached positions of slots ``a`` and ``b``
+        (one layer at a time, so the temporary copy is two rows of one layer)."""
+        ab = torch.tensor([a, b], device=self.device)
+        ba = torch.tensor([b, a], device=self.device)
+        for cache in (*self.k_cache, *self.v_cache):
+            cache[ab, :, :length] = cache[ba, :, :length]
+
     def close(self) -> None:
         """Free the cache memory; the object cannot run afterwards."""
         self.k_cache = self.v_cache = torch.empty(0)
@@ -280,8 +357,17 @@ class DynamicCacheForward:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
 
     @torch.no_grad()
-    def prefill(self, slots: Sequence[int], seqs: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Run each sequence from scratch; returns ``logits_NV`` at its last position."""
+    def prefill(
+        self,
+        slots: Sequence[int],
+        seqs: Sequence[Sequence[int]],
+        starts: Sequence[int] | None = None,
+    ) -> torch.Tensor:
+        """Run each sequence from scratch; returns ``logits_NV`` at its last
+        position. No prefix reuse (``starts`` must be 0): cropping a cache is
+        not supported by every cache class and transformers version."""
+        if starts is not None and any(starts):
+            raise NotImplementedError("DynamicCacheForward does not reuse cached prefixes")
         rows = []
         for slot, seq in zip(slots, seqs, strict=True):
             ids = torch.as_tensor([list(seq)], dtype=torch.long, device=self.device)
@@ -311,6 +397,18 @@ class DynamicCacheForward:
     def move(self, src: int, dst: int, length: int) -> None:
         """Hand slot ``src``'s cache to ``dst``."""
         self._caches[dst] = self._caches.pop(src)
+
+    def copy(self, src: int, dst: int, length: int) -> None:
+        """Not supported: this forward does not reuse cached prefixes."""
+        raise NotImplementedError("DynamicCacheForward does not reuse cached prefixes")
+
+    def swap(self, a: int, b: int, length: int) -> None:
+        """Exchange the caches of slots ``a`` and ``b``."""
+        cache_a, cache_b = self._caches.pop(a, None), self._caches.pop(b, None)
+        if cache_a is not None:
+            self._caches[b] = cache_a
+        if cache_b is not None:
+            self._caches[a] = cache_b
 
     def close(self) -> None:
         """Drop every cache."""

@@ -32,8 +32,20 @@ Decisions (see also :mod:`sao.rollout.sampling` and :mod:`sao.rollout.kv_forward
   every in-flight request with the new weights instead. With the cache kept, a
   token sampled after an update is conditioned on keys and values of earlier
   tokens computed by the weights in force when those tokens were processed.
-- Every ``generate`` call prefills its whole prompt; there is no prefix cache
-  across calls (a multi-turn episode re-prefills its history each turn).
+- Prefix reuse across calls: a request that ends with ``"stop"`` or
+  ``"length"`` leaves its KV slot parked with the tokens it holds (the prompt
+  and the reply but its last token). A later prompt that extends a parked
+  cache (the next turn of a multi-turn episode: history + reply +
+  observation) takes the slot over and prefills only its new tokens; one that
+  shares at least 16 leading tokens with a parked cache starts from a copy of
+  them. Logits equal those of a full prefill up to float rounding. Parked
+  slots are evicted least recently used first when a request needs a slot,
+  and at most ``max_cached_prefixes`` are kept. A weight update drops them
+  all, and a request whose cache mixes weights is not parked (as a server's
+  ``reset_prefix_cache`` on update), unless ``reuse_stale_prefix=True``.
+  Cancelled, aborted and failed requests free their slot. ``prefix_cache=False``
+  turns reuse off, and the fallback forward below never reuses;
+  ``prefill_tokens`` and ``reused_tokens`` count both kinds of prompt tokens.
 - Architectures other than Llama, Qwen2, Qwen3 and Mistral run the model's own
   forward with one ``DynamicCache`` per request, one request at a time:
   correct, not batched, much slower.
@@ -62,6 +74,7 @@ from sao.rollout.kv_forward import (
 )
 from sao.rollout.sampling import Detokenizer, StopStringMatcher, default_stop_ids
 from sao.rollout.scheduler import Request, Scheduler, WeightUpdate
+from sao.rollout.weights import DiskWeights, TensorWeights, WeightSource, read_weights
 from sao.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,9 +104,16 @@ class TorchEngine:
         recompute_kv_on_update: re-prefill in-flight requests after a weight
             update instead of keeping the cache of earlier tokens.
         max_prefill_tokens: padded prompt tokens prefilled together in one call.
+        prefix_cache: keep finished requests' KV slots for later prompts that
+            start with the same tokens (see the module docstring).
+        max_cached_prefixes: most parked slots; None = ``max_batch_size``.
+        reuse_stale_prefix: keep parked caches across weight updates, so a
+            later turn may attend to keys of older weights (as the in-flight
+            requests do by default); incompatible with
+            ``recompute_kv_on_update``.
         step_callback: called on the engine thread after every loop step (for
             metrics and tests); it must be quick, and may call
-            ``update_weights``, which then applies immediately.
+            ``load_weights``, which then applies immediately.
     """
 
     def __init__(
@@ -109,11 +129,21 @@ class TorchEngine:
         recompute_kv_on_update: bool = False,
         max_prefill_tokens: int = 8192,
         step_callback: Callable[[TorchEngine], None] | None = None,
+        prefix_cache: bool = True,
+        max_cached_prefixes: int | None = None,
+        reuse_stale_prefix: bool = False,
     ) -> None:
         if max_batch_size < 1:
             raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        if max_cached_prefixes is not None and max_cached_prefixes < 0:
+            raise ValueError(f"max_cached_prefixes must be >= 0, got {max_cached_prefixes}")
+        if reuse_stale_prefix and recompute_kv_on_update:
+            raise ValueError(
+                "reuse_stale_prefix=True keeps caches of older weights, which "
+                "recompute_kv_on_update=True exists to avoid; set one of them to False"
+            )
         self._model = cast(Any, copy.deepcopy(model).to(device=device, dtype=dtype).eval())
         self._model.requires_grad_(False)
         config = self._model.config
@@ -136,6 +166,9 @@ class TorchEngine:
             else DynamicCacheForward(self._model)
         )
         self._weights = self._model.state_dict()
+        parked_cap = max_batch_size if max_cached_prefixes is None else max_cached_prefixes
+        if not (prefix_cache and isinstance(forward, StaticKVForward)):
+            parked_cap = 0  # the fallback forward cannot prefill on top of a prefix
         self._sched = Scheduler(
             forward,
             self._weights,
@@ -144,6 +177,8 @@ class TorchEngine:
             max_prefill_tokens=max_prefill_tokens,
             recompute_kv_on_update=recompute_kv_on_update,
             version=version,
+            max_cached_prefixes=parked_cap,
+            reuse_stale_prefix=reuse_stale_prefix,
         )
         self._step_callback = step_callback
         self._seed_source = random.Random()
@@ -182,6 +217,21 @@ class TorchEngine:
         return self._sched.steps
 
     @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens prefilled so far (excluding re-prefills on weight updates)."""
+        return self._sched.prefill_tokens
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens whose KV cache was reused from an earlier request instead."""
+        return self._sched.reused_tokens
+
+    @property
+    def num_cached_prefixes(self) -> int:
+        """Parked KV slots kept for prefix reuse (approximate from another thread)."""
+        return len(self._sched.parked)
+
+    @property
     def closed(self) -> bool:
         """True once :meth:`close` was called and the engine thread has ended."""
         return self._closing and not self._thread.is_alive()
@@ -204,25 +254,44 @@ class TorchEngine:
             req.cancelled = True
             raise
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
+    @property
+    def weight_sources(self) -> tuple[type, ...]:
+        """In-process tensors first; a weight directory also works."""
+        return (TensorWeights, DiskWeights)
+
+    async def update_weights(self, source: WeightSource) -> None:
+        """Apply ``source`` between two decode steps (see :meth:`load_weights`);
+        a :class:`DiskWeights` directory is read in a worker thread first."""
+        if isinstance(source, TensorWeights):
+            await asyncio.to_thread(self.load_weights, source.state_dict, source.version)
+        elif isinstance(source, DiskWeights):
+            state = await asyncio.to_thread(read_weights, source.path)
+            await asyncio.to_thread(self.load_weights, state, source.version)
+        else:
+            raise TypeError(
+                f"TorchEngine cannot apply a {type(source).__name__}; pass TensorWeights or "
+                "DiskWeights"
+            )
+
+    def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
         """Copy ``state_dict`` into the engine's weights between two decode steps.
 
         Keys must be names of the model's ``state_dict`` (a subset is allowed;
         other weights keep their values). Blocks until the engine thread has
         copied the tensors (at most one engine step), so the caller may modify
         them once this returns; from an event loop, ``await
-        asyncio.to_thread(engine.update_weights, ...)`` keeps the loop free.
+        engine.update_weights(TensorWeights(...))`` keeps the loop free.
         Running requests continue; tokens sampled afterwards carry ``version``.
         """
         for name, tensor in state_dict.items():
             if name not in self._weights:
                 raise KeyError(
-                    f"update_weights: {name!r} is not a weight of the engine's model; "
+                    f"load_weights: {name!r} is not a weight of the engine's model; "
                     "pass keys of model.state_dict()"
                 )
             if tuple(tensor.shape) != tuple(self._weights[name].shape):
                 raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
                     f"the engine's model has {tuple(self._weights[name].shape)}"
                 )
         update = WeightUpdate(state_dict, version)
@@ -231,7 +300,7 @@ class TorchEngine:
         else:
             with self._cond:
                 if self._closing:
-                    raise RuntimeError("TorchEngine is closed; update_weights needs a live engine")
+                    raise RuntimeError("TorchEngine is closed; load_weights needs a live engine")
                 self._updates.append(update)
                 self._cond.notify()
             update.done.wait()

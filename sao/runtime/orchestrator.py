@@ -25,8 +25,8 @@ from sao.types import SamplingParams, Trajectory
 
 StepFn = Callable[[list[Trajectory], bool], Awaitable[dict[str, float]]]
 """Trains on one batch (``train_actor`` False during critic warm-up); returns metrics."""
-PublishFn = Callable[[int], None]
-"""Sends the trainer's weights to the engines as ``version``."""
+PublishFn = Callable[[int], Awaitable[float]]
+"""Sends the trainer's weights to the engines as ``version``; returns the seconds it took."""
 
 
 @dataclass
@@ -173,7 +173,7 @@ class Orchestrator:
                 self.consumed += 1
                 if train_actor:
                     self.version += 1
-                    publish(self.version)
+                    metrics["publish/sync_s"] = await publish(self.version)
                     if isinstance(self.task, StepAware):
                         self.task.set_train_step(self.version)
                 self._wake.set()

@@ -4,7 +4,6 @@ the asynchronous orchestrator from a :class:`~sao.config.Config`."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import random
 import shutil
@@ -22,14 +21,16 @@ from sao.config import Config, ConfigError, to_dict
 from sao.envs.base import Task
 from sao.envs.latency import LatencyWrapper
 from sao.envs.registry import make_task
+from sao.models.device import DeviceError, resolve_device, resolve_dtype
 from sao.models.freeze import freeze_attention
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
 from sao.rollout.check import check_logprobs
-from sao.rollout.torch_engine import TorchEngine
+from sao.rollout.engine import Engine
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.checkpoint import load_state, resume_point, save_checkpoint, set_rng_state
+from sao.runtime.engines import open_rollout_engine
 from sao.runtime.evaluate import evaluate
 from sao.runtime.logging import RunLogger, summarize, write_plots
 from sao.runtime.orchestrator import Orchestrator, RolloutState
@@ -37,8 +38,6 @@ from sao.runtime.staleness import StalenessGate
 from sao.runtime.warmstart import ensure_policy
 from sao.train.trainer import OptimSettings, Trainer
 from sao.types import SamplingParams, Trajectory
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 @dataclass
@@ -53,6 +52,8 @@ class Parts:
     trainer: Trainer
     sampling: SamplingParams
     limits: EpisodeLimits
+    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable)
+    """Where policy and critic live (``model.device`` resolved); the engine's place too."""
 
 
 def build_task(cfg: Config) -> Task:
@@ -85,21 +86,25 @@ def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = 
     """Load models and build the trainer. ``start_dir`` overrides the policy
     (resume); ``task`` replaces the configured built-in task (your own env)."""
     algo = cfg.algo.resolve()
-    dtype = DTYPES[cfg.model.dtype]
+    try:
+        device = resolve_device(cfg.model.device)
+        dtype = resolve_dtype(cfg.model.dtype, device)
+    except DeviceError as e:
+        raise ConfigError(str(e)) from None
     if task is None:
         task = build_task(cfg)
     elif cfg.model.path is None:
         raise ConfigError("training your own task needs model.path (a local checkpoint)")
     src = policy_path(cfg)
     tokenizer = load_tokenizer(src)
-    policy = load_policy(start_dir / "policy" if start_dir else src, dtype=dtype)
+    policy = load_policy(start_dir / "policy" if start_dir else src, dtype=dtype, device=device)
     critic = None
     if algo.use_critic:
         if start_dir is not None and (start_dir / "critic").is_dir():
-            critic = ValueModel.from_pretrained(start_dir / "critic", dtype=dtype)
+            critic = ValueModel.from_pretrained(start_dir / "critic", dtype=dtype, device=device)
         else:
             critic = ValueModel.from_policy(
-                cfg.model.critic_path or src, dtype=dtype, seed=cfg.seed
+                cfg.model.critic_path or src, dtype=dtype, device=device, seed=cfg.seed
             )
         if algo.freeze_critic_attention:
             report = freeze_attention(critic)  # before the optimizer is built (paper section 4)
@@ -132,7 +137,7 @@ def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = 
         max_action_tokens=r.max_turns * r.max_new_tokens,
     )
     trainer = Trainer(policy, critic, algo, settings)
-    return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, limits)
+    return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, limits, device)
 
 
 def prepare_run_dir(cfg: Config, resume: bool) -> Path:
@@ -201,22 +206,15 @@ def _restore(
 
 
 def _pipeline(
-    p: Parts, ckpt: Path | None
-) -> tuple[Orchestrator, TorchEngine, StalenessGate, TrajectoryBuffer]:
-    """Gate, buffer, engine and orchestrator, restored from ``ckpt`` when given."""
+    p: Parts,
+    engine: Engine,
+    gate: StalenessGate,
+    buffer: TrajectoryBuffer,
+    restored: tuple[RolloutState, int, int],
+) -> Orchestrator:
+    """The orchestrator over ``engine``, at the restored stream, step and version."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
-    gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
-    buffer = TrajectoryBuffer(
-        gate, group_size=algo.group_size, dynamic_sampling=algo.dynamic_sampling
-    )
-    state, start_step, version = _restore(p, ckpt, gate, buffer)
-    engine = TorchEngine(
-        copy.deepcopy(p.policy),
-        max_batch_size=cfg.rollout.max_batch_size,
-        tokenizer=p.tokenizer,
-        version=version,
-        recompute_kv_on_update=cfg.rollout.recompute_kv_on_update,
-    )
+    state, start_step, version = restored
     orch = Orchestrator(
         p.task,
         engine,
@@ -231,13 +229,17 @@ def _pipeline(
         state=state,
     )
     orch.consumed, orch.version = start_step, version
-    return orch, engine, gate, buffer
+    return orch
 
 
 async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
-    orch, engine, gate, buffer = _pipeline(p, ckpt)
+    gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
+    buffer = TrajectoryBuffer(
+        gate, group_size=algo.group_size, dynamic_sampling=algo.dynamic_sampling
+    )
+    restored = _restore(p, ckpt, gate, buffer)
     logger = RunLogger(
         run_dir,
         total_steps=total,
@@ -247,43 +249,44 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
         config=to_dict(cfg),
     )
     try:
-        if ckpt is None:
-            await _logprob_gate(p, engine, logger)
-            logger.log(0, {"wall_s": 0.0, **await _eval(p, engine)})
+        model_dir = policy_path(cfg)
+        async with open_rollout_engine(
+            cfg, p.policy, p.tokenizer, model_dir, run_dir, restored[2]
+        ) as (engine, publish):
+            orch = _pipeline(p, engine, gate, buffer, restored)
+            if ckpt is None:
+                await _logprob_gate(p, engine, logger)
+                logger.log(0, {"wall_s": 0.0, **await _eval(p, engine)})
 
-        async def step_fn(batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
-            stats = await asyncio.to_thread(p.trainer.step, batch, train_actor=train_actor)
-            return {k: float(v) for k, v in stats.items()}
+            async def step_fn(batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
+                stats = await asyncio.to_thread(p.trainer.step, batch, train_actor=train_actor)
+                return {k: float(v) for k, v in stats.items()}
 
-        def publish(v: int) -> None:
-            engine.update_weights(p.policy.state_dict(), v)
+            async def on_step(step: int, m: dict[str, float]) -> None:
+                m["wall_s"] = orch.clock.elapsed()
+                if step % cfg.eval.every == 0 or step == total:
+                    m |= await _eval(p, engine)
+                logger.log(step, m)
+                if step % cfg.log.checkpoint_every == 0 or step == total:
+                    # snapshot on the event loop (episodes keep running), write in a thread
+                    state, trajs = _rollout_snapshot(orch, buffer, gate)
+                    await asyncio.to_thread(_checkpoint, p, run_dir, step, state, trajs)
 
-        async def on_step(step: int, m: dict[str, float]) -> None:
-            m["wall_s"] = orch.clock.elapsed()
-            if step % cfg.eval.every == 0 or step == total:
-                m |= await _eval(p, engine)
-            logger.log(step, m)
-            if step % cfg.log.checkpoint_every == 0 or step == total:
-                # snapshot on the event loop (episodes keep running), write in a thread
-                state, trajs = _rollout_snapshot(orch, buffer, gate)
-                await asyncio.to_thread(_checkpoint, p, run_dir, step, state, trajs)
-
-        await orch.train(
-            total,
-            cfg.train.batch_size,
-            step_fn,
-            publish,
-            warmup_steps=algo.critic_pretrain_steps,  # critic-only batches, before the actor steps
-            on_step=on_step,
-        )
+            await orch.train(
+                total,
+                cfg.train.batch_size,
+                step_fn,
+                publish,
+                warmup_steps=algo.critic_pretrain_steps,  # critic-only batches, before actor steps
+                on_step=on_step,
+            )
     finally:
         logger.close()
-        await engine.aclose()
     _finish(p, run_dir, logger.history)
     return run_dir
 
 
-async def _logprob_gate(p: Parts, engine: TorchEngine, logger: RunLogger) -> None:
+async def _logprob_gate(p: Parts, engine: Engine, logger: RunLogger) -> None:
     budget = p.cfg.train.logprob_budget
     if budget <= 0:
         return
@@ -293,7 +296,7 @@ async def _logprob_gate(p: Parts, engine: TorchEngine, logger: RunLogger) -> Non
     report.check(budget)
 
 
-async def _eval(p: Parts, engine: TorchEngine) -> dict[str, float]:
+async def _eval(p: Parts, engine: Engine) -> dict[str, float]:
     r = await evaluate(
         p.task,
         engine,

@@ -51,10 +51,11 @@ class Targets:
     critic_mask_BT: torch.Tensor | None
 
 
-def group_index(group_ids: tuple[str, ...]) -> torch.Tensor:
-    """String group ids -> a ``[B]`` long tensor of small integers."""
+def group_index(group_ids: tuple[str, ...], device: torch.device | None = None) -> torch.Tensor:
+    """String group ids -> a ``[B]`` long tensor of small integers (on ``device``)."""
     index: dict[str, int] = {}
-    return torch.tensor([index.setdefault(g, len(index)) for g in group_ids], dtype=torch.long)
+    ids = [index.setdefault(g, len(index)) for g in group_ids]
+    return torch.tensor(ids, dtype=torch.long, device=device)
 
 
 def actor_lambda(algo: AlgoPreset, batch: Batch) -> float | torch.Tensor:
@@ -82,12 +83,14 @@ def compute_targets(
     rewards_B = batch.rewards_B
     if algo.advantage == "group":
         adv_B = group_advantages(
-            rewards_B, group_index(batch.group_ids), normalize_std=algo.normalize_std
+            rewards_B,
+            group_index(batch.group_ids, rewards_B.device),
+            normalize_std=algo.normalize_std,
         )
     elif algo.advantage == "rloo":
-        adv_B = rloo_advantages(rewards_B, group_index(batch.group_ids))
+        adv_B = rloo_advantages(rewards_B, group_index(batch.group_ids, rewards_B.device))
     elif algo.advantage == "reinforce_pp":
-        groups = group_index(batch.group_ids) if algo.group_size > 1 else None
+        groups = group_index(batch.group_ids, rewards_B.device) if algo.group_size > 1 else None
         adv_B = reinforce_pp_advantages(rewards_B, group_ids_B=groups)
     elif algo.advantage == "running_mean":
         assert running_mean is not None

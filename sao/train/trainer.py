@@ -1,5 +1,10 @@
 """One trainer step: critic forward, advantages, K critic updates with frozen
-attention, the actor update. ``Trainer.step`` reads as the algorithm."""
+attention, the actor update. ``Trainer.step`` reads as the algorithm.
+
+Device: every tensor the step builds lives on the policy's device (the batch is
+collated on the CPU, then moved once); the returned metrics are CPU tensors.
+Precision: the optimizers step float32 master weights
+(:class:`~sao.train.precision.MasterWeights`), whatever the models' dtype."""
 
 from __future__ import annotations
 
@@ -8,7 +13,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 from transformers import PreTrainedModel
 
 from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
@@ -17,6 +21,7 @@ from sao.algo.presets import AlgoPreset
 from sao.models.logprobs import sequence_logprobs
 from sao.models.value import ValueModel
 from sao.train.estimators import Stats, Targets, compute_targets, needs_old_logp, policy_loss
+from sao.train.precision import MasterWeights
 from sao.types import Batch, Trajectory, collate
 
 
@@ -42,31 +47,32 @@ def micro_batches(batch: Batch, token_budget: int) -> Iterator[tuple[Batch, torc
     """Split rows (sorted by length) into micro-batches whose padded size
     ``rows * T_max`` fits ``token_budget`` (a longer row forms its own);
     padding beyond each micro-batch's longest row is trimmed. Yields
-    ``(micro_batch, row_indices_into_batch)``."""
+    ``(micro_batch, row_indices_into_batch)``, the indices on the batch's device."""
     lengths = batch.attention_mask_BT.sum(dim=1).tolist()
     group: list[int] = []
     for i in sorted(range(batch.size), key=lambda i: lengths[i]):
         if group and (len(group) + 1) * max(lengths[i], 1) > token_budget:
-            yield _select(batch, group), torch.tensor(group, dtype=torch.long)
+            yield _select(batch, group)
             group = []
         group.append(i)
     if group:
-        yield _select(batch, group), torch.tensor(group, dtype=torch.long)
+        yield _select(batch, group)
 
 
-def _select(batch: Batch, rows: list[int]) -> Batch:
-    idx = torch.tensor(rows, dtype=torch.long)
+def _select(batch: Batch, rows: list[int]) -> tuple[Batch, torch.Tensor]:
+    idx = torch.tensor(rows, dtype=torch.long, device=batch.tokens_BT.device)
     T = max(int(batch.attention_mask_BT[idx].sum(dim=1).max()), 1)
     fields = {
         k: v[idx][:, :T] if v.ndim == 2 else v[idx]
         for k, v in vars(batch).items()
         if isinstance(v, torch.Tensor)
     }
-    return Batch(
+    sub = Batch(
         **fields,
         prompt_ids=tuple(batch.prompt_ids[i] for i in rows),
         group_ids=tuple(batch.group_ids[i] for i in rows),
     )
+    return sub, idx
 
 
 class Trainer:
@@ -80,12 +86,15 @@ class Trainer:
         settings: OptimSettings,
     ) -> None:
         self.policy, self.critic, self.algo, self.opt = policy, critic, algo, settings
-        self.actor_optim = torch.optim.AdamW(policy.parameters(), lr=settings.actor_lr)
+        self.device = next(policy.parameters()).device
+        self.actor_weights = MasterWeights(policy.parameters())
+        self.actor_optim = torch.optim.AdamW(self.actor_weights.params, lr=settings.actor_lr)
+        self.critic_weights: MasterWeights | None = None
         self.critic_optim: torch.optim.Optimizer | None = None
         self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
         if critic is not None:
-            params = [p for p in critic.parameters() if p.requires_grad]
-            self.critic_optim = torch.optim.AdamW(params, lr=settings.critic_lr)
+            self.critic_weights = MasterWeights(p for p in critic.parameters() if p.requires_grad)
+            self.critic_optim = torch.optim.AdamW(self.critic_weights.params, lr=settings.critic_lr)
             warm = max(settings.critic_lr_warmup_steps, 1)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(
                 self.critic_optim, lambda s: min(1.0, (s + 1) / warm)
@@ -115,22 +124,23 @@ class Trainer:
         if train_actor:
             stats |= self.update_actor(batch, targets.advantages_BT)
         self._count_bad_step()
-        return stats | self.batch_stats(batch, targets)
+        return _to_cpu(stats | self.batch_stats(batch, targets))
 
     # ------------------------------------------------------------------ phases
 
     def prepare(self, trajectories: Sequence[Trajectory]) -> Batch:
-        """Collate; drop truncated rows if asked; apply DAPO's overlong shaping."""
+        """Collate onto the policy's device; drop truncated rows if asked; apply
+        DAPO's overlong shaping."""
         trajs = list(trajectories)
         if self.algo.truncation == "drop":
             trajs = [t for t in trajs if not t.truncated] or trajs
-        batch = collate(trajs)
+        batch = collate(trajs).to(self.device)
         if self.algo.overlong_penalty:
             lengths_B = batch.action_mask_BT.sum(dim=1)
             cache = max(self.opt.max_action_tokens // 4, 1)
             pen_B = overlong_penalty(lengths_B, max_len=self.opt.max_action_tokens, cache_len=cache)
             last_B = _last_action_index(batch.action_mask_BT)
-            rows = torch.arange(batch.size)[last_B >= 0]
+            rows = torch.arange(batch.size, device=self.device)[last_B >= 0]
             batch.rewards_BT[rows, last_B[rows]] += pen_B[rows].to(batch.rewards_BT.dtype)
             batch.rewards_B.add_(pen_B.to(batch.rewards_B.dtype))
         return batch
@@ -140,7 +150,7 @@ class Trainer:
         """Critic values ``[B, T]`` for the whole batch (no gradient), or None."""
         if self.critic is None:
             return None
-        out = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
+        out = batch.rollout_logp_BT.new_zeros(batch.tokens_BT.shape, dtype=torch.float32)
         for mb, rows in self._with_rows(batch):
             v = self.critic(mb.tokens_BT, mb.attention_mask_BT).float()
             out[rows, : v.shape[1]] = v
@@ -151,7 +161,8 @@ class Trainer:
     ) -> Stats:
         """K critic optimizer steps on fixed lam=1 targets (paper section 4);
         ``old_values_BT`` (values before the update) anchor optional value clipping."""
-        assert self.critic is not None and self.critic_optim is not None
+        assert self.critic is not None and self.critic_weights is not None
+        assert self.critic_optim is not None
         assert targets.returns_BT is not None and targets.critic_mask_BT is not None
         mask = targets.critic_mask_BT
         denom = aggregate_denom(mask) if bool(mask.any()) else 1.0
@@ -175,10 +186,10 @@ class Trainer:
                     clip_eps=clip,
                 )
                 loss.backward()
-            norm = self._apply(self.critic, self.critic_optim)
+            norm = self._apply(self.critic_weights, self.critic_optim)
             if self.critic_sched is not None:
                 self.critic_sched.step()
-            stats = {"critic/grad_norm": torch.tensor(norm)}
+            stats = {"critic/grad_norm": norm}
         values_BT = self.values(batch)
         assert values_BT is not None
         if bool(mask.any()):  # the critic after its K steps, on this batch
@@ -192,7 +203,7 @@ class Trainer:
         denom = aggregate_denom(mask, reduction)
         old = self._old_logp(batch) if needs_old_logp(self.algo) else None
         self.actor_optim.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
+        sums: Stats = {}
         n_mb = 0
         for mb, rows in self._with_rows(batch):
             if not bool(mb.action_mask_BT.any()):
@@ -213,17 +224,17 @@ class Trainer:
             )
             loss.backward()
             n_mb += 1
-            for k, v in s.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        norm = self._apply(self.policy, self.actor_optim)
-        stats: Stats = {k: torch.tensor(v / max(n_mb, 1)) for k, v in sums.items()}
-        return stats | {"actor/grad_norm": torch.tensor(norm)}
+            for k, v in s.items():  # summed on the device: no host sync per micro-batch
+                sums[k] = sums[k] + v.detach() if k in sums else v.detach().float()
+        norm = self._apply(self.actor_weights, self.actor_optim)
+        stats: Stats = {k: v / max(n_mb, 1) for k, v in sums.items()}
+        return stats | {"actor/grad_norm": norm}
 
     # ------------------------------------------------------------------ helpers
 
     @torch.no_grad()
     def _old_logp(self, batch: Batch) -> torch.Tensor:
-        out = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
+        out = batch.rollout_logp_BT.new_zeros(batch.tokens_BT.shape, dtype=torch.float32)
         for mb, rows in self._with_rows(batch):
             lp = sequence_logprobs(
                 self.policy, mb.tokens_BT, mb.attention_mask_BT, temperature=self.opt.temperature
@@ -234,15 +245,19 @@ class Trainer:
     def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
         return micro_batches(batch, self.opt.token_budget)
 
-    def _apply(self, model: nn.Module, optim: torch.optim.Optimizer) -> float:
-        """Clip, guard against NaN/inf, step. Returns the pre-clip gradient norm."""
-        params = [p for p in model.parameters() if p.grad is not None]
-        norm = float(torch.nn.utils.clip_grad_norm_(params, self.opt.grad_clip)) if params else 0.0
-        if not math.isfinite(norm):
-            optim.zero_grad(set_to_none=True)
-            self._finite = False
-            return norm
-        optim.step()
+    def _apply(self, weights: MasterWeights, optim: torch.optim.Optimizer) -> torch.Tensor:
+        """Clip, guard against NaN/inf, step the float32 masters and write them
+        back into the model. Returns the pre-clip gradient norm (0-dim, on the device)."""
+        params = weights.load_grads()
+        if not params:
+            return torch.zeros((), device=self.device)
+        norm = torch.nn.utils.clip_grad_norm_(params, self.opt.grad_clip).detach()
+        finite = math.isfinite(float(norm))  # one host sync per optimizer step
+        self._finite &= finite
+        if finite:
+            optim.step()
+            weights.store()
+        optim.zero_grad(set_to_none=True)  # free the float32 gradients until the next update
         return norm
 
     def _count_bad_step(self) -> None:
@@ -269,12 +284,15 @@ class Trainer:
             "train/action_tokens_mean": mask.sum(dim=1).float().mean(),
             "train/advantage_mean": (targets.advantages_BT * mask).sum() / n,
             "train/truncated_frac": batch.truncated_B.float().mean(),
-            "train/skipped_steps": torch.tensor(float(self.skipped_steps)),
+            "train/skipped_steps": torch.tensor(float(self.skipped_steps), device=self.device),
         }
 
     def state_dict(self) -> dict[str, object]:
         """Optimizer, scheduler and baseline state (weights are saved separately)."""
+        critic_master = None if self.critic_weights is None else self.critic_weights.state_dict()
         return {
+            "actor_master": self.actor_weights.state_dict(),
+            "critic_master": critic_master,
             "actor_optim": self.actor_optim.state_dict(),
             "critic_optim": None if self.critic_optim is None else self.critic_optim.state_dict(),
             "critic_sched": None if self.critic_sched is None else self.critic_sched.state_dict(),
@@ -284,6 +302,11 @@ class Trainer:
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` saved."""
+        # masters: absent from checkpoints written before them (the loaded weights then seed them)
+        if state.get("actor_master") is not None:
+            self.actor_weights.load_state_dict(state["actor_master"])  # type: ignore[arg-type]
+        if self.critic_weights is not None and state.get("critic_master") is not None:
+            self.critic_weights.load_state_dict(state["critic_master"])  # type: ignore[arg-type]
         self.actor_optim.load_state_dict(state["actor_optim"])  # type: ignore[arg-type]
         if self.critic_optim is not None and state.get("critic_optim") is not None:
             self.critic_optim.load_state_dict(state["critic_optim"])  # type: ignore[arg-type]
@@ -295,6 +318,12 @@ class Trainer:
 
 
 def _last_action_index(action_mask_BT: torch.Tensor) -> torch.Tensor:
+    """Index ``[B]`` of each row's last action token; -1 for a row without one."""
     T = action_mask_BT.shape[1]
-    pos = torch.arange(T).expand_as(action_mask_BT)
+    pos = torch.arange(T, device=action_mask_BT.device).expand_as(action_mask_BT)
     return torch.where(action_mask_BT, pos, -1).max(dim=1).values
+
+
+def _to_cpu(stats: Stats) -> Stats:
+    """Detached CPU copies of the metrics (one host transfer per step)."""
+    return {k: v.detach().cpu() for k, v in stats.items()}

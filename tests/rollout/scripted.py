@@ -10,11 +10,12 @@ hangs.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from sao.rollout.weights import DiskWeights, TensorWeights, WeightSource
 from sao.types import Completion, CompletionFinish, SamplingParams, StepResult
 
 HANG = "hang"
@@ -57,8 +58,15 @@ class ScriptedEngine:
     def version(self) -> int:
         return self._version
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self._version = version
+    @property
+    def weight_sources(self) -> tuple[type, ...]:
+        return (TensorWeights, DiskWeights)
+
+    async def update_weights(self, source: WeightSource) -> None:
+        self._version = source.version
+
+    async def aclose(self) -> None:
+        pass
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         prompt = tuple(prompt_ids)
@@ -155,9 +163,17 @@ class ModelEngine:
     def version(self) -> int:
         return self._version
 
-    def update_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> None:
-        self.model.load_state_dict(dict(state_dict))
-        self._version = version
+    @property
+    def weight_sources(self) -> tuple[type, ...]:
+        return (TensorWeights,)
+
+    async def update_weights(self, source: WeightSource) -> None:
+        assert isinstance(source, TensorWeights)
+        self.model.load_state_dict(dict(source.state_dict))
+        self._version = source.version
+
+    async def aclose(self) -> None:
+        pass
 
     async def generate(self, prompt_ids: Sequence[int], sampling: SamplingParams) -> Completion:
         ids, out, logps = list(prompt_ids), [], []

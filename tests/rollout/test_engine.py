@@ -182,7 +182,7 @@ def _update_at_step(
 
     def callback(engine: TorchEngine) -> None:
         if engine.steps == step:
-            engine.update_weights(state, version)
+            engine.load_weights(state, version)
 
     return callback
 
@@ -234,14 +234,14 @@ def test_weight_update_with_kv_recompute() -> None:
         assert torch.allclose(got[j:], ref_new, atol=1e-4, rtol=0)
 
 
-def test_update_weights_from_another_thread_while_running() -> None:
+def test_load_weights_from_another_thread_while_running() -> None:
     old, new = build("llama", seed=0), build("llama", seed=1)
 
     async def go(engine: TorchEngine) -> tuple[Completion, Completion]:
         running = asyncio.create_task(engine.generate([1], SamplingParams(max_new_tokens=150)))
         while engine.num_running == 0:
             await asyncio.sleep(0.001)
-        await asyncio.to_thread(engine.update_weights, new.state_dict(), 1)  # blocks until applied
+        await asyncio.to_thread(engine.load_weights, new.state_dict(), 1)  # blocks until applied
         after = await engine.generate([1], SamplingParams(max_new_tokens=5, seed=0))
         return await running, after
 
@@ -254,10 +254,10 @@ def test_update_weights_from_another_thread_while_running() -> None:
     )
 
 
-def test_update_weights_rejects_unknown_keys_and_shapes() -> None:
+def test_load_weights_rejects_unknown_keys_and_shapes() -> None:
     with TorchEngine(build("llama"), max_seq_len=16) as engine:
         with pytest.raises(KeyError, match="not a weight"):
-            engine.update_weights({"nope.weight": torch.zeros(2)}, 1)
+            engine.load_weights({"nope.weight": torch.zeros(2)}, 1)
         with pytest.raises(ValueError, match="shape"):
-            engine.update_weights({"lm_head.weight": torch.zeros(2, 2)}, 1)
+            engine.load_weights({"lm_head.weight": torch.zeros(2, 2)}, 1)
         assert engine.version == 0

@@ -177,4 +177,4 @@ def test_abort_all_and_close() -> None:
     with pytest.raises(RuntimeError, match="closed"):
         run(engine, PROMPT, SamplingParams())
     with pytest.raises(RuntimeError, match="closed"):
-        engine.update_weights({}, 1)
+        engine.load_weights({}, 1)

