@@ -81,23 +81,27 @@ def _eval(args: argparse.Namespace) -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
-    import copy
+    import tempfile
 
     from sao.rollout.check import check_logprobs
-    from sao.rollout.torch_engine import TorchEngine
-    from sao.runtime.run import build_parts
+    from sao.runtime.engines import open_rollout_engine
+    from sao.runtime.run import build_parts, policy_path
 
-    p = build_parts(_load(args))
+    cfg = _load(args)
+    p = build_parts(cfg)
     envs = [p.task.make_env("eval", i) for i in range(args.episodes)]
 
-    async def go() -> int:
-        with TorchEngine(copy.deepcopy(p.policy), tokenizer=p.tokenizer) as engine:
+    async def go(scratch: Path) -> int:
+        async with open_rollout_engine(
+            cfg, p.policy, p.tokenizer, policy_path(cfg), scratch, 0
+        ) as (engine, _):
             report = await check_logprobs(engine, p.policy, p.tokenizer, envs, p.sampling, p.limits)
-        print(report.summary())
+        print(f"{cfg.rollout.engine} engine: {report.summary()}")
         report.check(args.budget)
         return 0
 
-    return asyncio.run(go())
+    with tempfile.TemporaryDirectory(prefix="sao-check-") as scratch:
+        return asyncio.run(go(Path(scratch)))
 
 
 TINY_PRESETS = {

@@ -132,6 +132,12 @@ def _diagnose(
             "distribution the trainer's temperature-scaled forward pass does not reproduce; "
             "check with top_p=1.0 and top_k=0"
         )
+    if getattr(engine, "kind", None) == "vllm" and sampling.temperature != 1.0:
+        notes.append(
+            f"a vLLM server returns log-probabilities before temperature unless started with "
+            f"--logprobs-mode processed_logprobs; at temperature {sampling.temperature} the "
+            "DIS ratio needs the processed ones"
+        )
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     if dtypes != ["torch.float32"]:
         notes.append(f"trainer model dtype {'/'.join(dtypes)}: a 1e-4 budget needs float32")

@@ -328,10 +328,10 @@ class VLLMEngine(_HttpEngine):
             theirs = (
                 ModelIdentity(
                     str(info.get("root", self.model_name)),
-                    int(sao_info.get("vocab_size", 0)),
+                    int(sao_info.get("vocab_size", 0) or 0),
                     str(sao_info.get("model_type", "")),
-                    0,
-                    0,
+                    int(sao_info.get("num_hidden_layers", 0) or 0),
+                    int(sao_info.get("hidden_size", 0) or 0),
                 )
                 if isinstance(sao_info, dict)
                 else _local_identity(str(info.get("root", "")))

@@ -23,11 +23,15 @@ from pathlib import Path
 
 import aiohttp
 
+import sao
+from sao.models.cache import sao_home
 from sao.rollout.http_engine import EngineSetupError
 
-__all__ = ["LaunchedServer", "launch_servers", "server_command"]
+__all__ = ["VLLM_WORKER_EXTENSION", "LaunchedServer", "launch_servers", "server_command"]
 
 ServerKind = str  # "http" (sao serve) | "vllm" | "sglang"
+VLLM_WORKER_EXTENSION = "sao.rollout.vllm_worker.SaoWorkerExtension"
+"""The worker extension launched vLLM servers load (``--worker-extension-cls``)."""
 
 
 @dataclass
@@ -50,6 +54,27 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def sao_import_root() -> str:
+    """A directory that makes this ``sao`` importable from another Python (the
+    vLLM server's, for its worker extension): the one holding the package, or,
+    when that is a ``site-packages`` whose torch and transformers would shadow
+    the server's own, a directory under ``$SAO_HOME`` with only a link to it."""
+    package = Path(sao.__file__).resolve().parent
+    root = package.parent
+    if not root.name.endswith("-packages"):  # a source checkout (editable install)
+        return str(root)
+    shim = sao_home() / "pythonpath"
+    link = shim / "sao"
+    if not (link.is_symlink() and link.resolve() == package):
+        shim.mkdir(parents=True, exist_ok=True)
+        tmp = shim / f".sao-{os.getpid()}"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        tmp.symlink_to(package, target_is_directory=True)
+        tmp.replace(link)  # atomic: a server starting meanwhile sees the old or new link
+    return str(shim)
+
+
 def server_command(
     kind: ServerKind,
     model_dir: str,
@@ -70,12 +95,17 @@ def server_command(
         cmd += ["--max-seq-len", str(max_seq_len), "--max-batch-size", str(max_batch_size)]
         cmd += ["--dtype", dtype, "--device", device]
     elif kind == "vllm":
-        cmd = [py, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir]
+        cmd = [py, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", model_dir]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
         cmd += ["--max-model-len", str(max_seq_len), "--max-num-seqs", str(max_batch_size)]
         # log-probs after temperature: the DIS ratio divides by the sampled distribution
         cmd += ["--logprobs-mode", "processed_logprobs", "--enforce-eager"]
+        # reload_weights_and_refresh: re-packs a tied LM head after a reload (vllm_worker.py)
+        cmd += ["--worker-extension-cls", VLLM_WORKER_EXTENSION]
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the RL routes (/pause, /collective_rpc, ...)
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (os.environ.get("PYTHONPATH"), sao_import_root()) if p
+        )
         if device == "cpu":
             env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
     elif kind == "sglang":

@@ -70,6 +70,11 @@ class EngineRouter:
         return min(known) if known else None
 
     @property
+    def kind(self) -> str:
+        """What the engines are (``vllm``, ``sao serve``, ``sglang``, ...)."""
+        return str(getattr(self.engines[0], "kind", type(self.engines[0]).__name__))
+
+    @property
     def num_alive(self) -> int:
         return sum(self.alive)
 

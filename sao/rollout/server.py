@@ -73,13 +73,14 @@ class EngineServer:
         engine: TorchEngine,
         *,
         model_name: str,
-        model_type: str = "",
+        model_info: dict[str, Any] | None = None,
         report_versions: bool = True,
     ) -> None:
         """``report_versions=False`` leaves out ``sao_versions`` and the ``sao``
         model info, so the server answers exactly as vLLM does (tests use it to
         check the client's version rule)."""
-        self.engine, self.model_name, self.model_type = engine, model_name, model_type
+        self.engine, self.model_name = engine, model_name
+        self.model_info = dict(model_info or {"vocab_size": engine.vocab_size})
         self.report_versions = report_versions
         self._unpaused = asyncio.Event()
         self._unpaused.set()
@@ -107,11 +108,7 @@ class EngineServer:
             "max_model_len": self.engine.max_seq_len,
         }
         if self.report_versions:
-            info["sao"] = {
-                "vocab_size": self.engine.vocab_size,
-                "model_type": self.model_type,
-                "version": self.engine.version,
-            }
+            info["sao"] = self.model_info | {"version": self.engine.version}
         return web.json_response({"object": "list", "data": [info]})
 
     async def completions(self, request: web.Request) -> web.Response:
@@ -235,7 +232,14 @@ def serve(
         device=device,
         tokenizer=tokenizer,
     )
-    server = EngineServer(engine, model_name=str(model_dir), model_type=model.config.model_type)
+    config = model.config
+    model_info = {
+        "vocab_size": engine.vocab_size,
+        "model_type": config.model_type,
+        "num_hidden_layers": getattr(config, "num_hidden_layers", 0),
+        "hidden_size": getattr(config, "hidden_size", 0),
+    }
+    server = EngineServer(engine, model_name=str(model_dir), model_info=model_info)
     del model  # the engine holds its own copy
     print(f"sao serve: {model_dir} on http://{host}:{port}", flush=True)
     # handler_cancellation: a client that disconnects cancels its generation

@@ -1,5 +1,5 @@
 """The one-GPU recipe (recipes/qwen3-0.6b-math.toml) runs end to end on the CPU:
-the same file, a tiny random Qwen3 in place of Qwen3-0.6B, a three-problem
+the same file, a tiny random Qwen3 in place of Qwen3-0.6B, a four-problem
 JSONL dataset, and ``--set`` overrides that only shrink sizes and move it to
 the CPU in float32."""
 
@@ -20,11 +20,15 @@ from sao.runtime.run import build_parts, train
 pytest.importorskip("math_verify")
 
 RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "qwen3-0.6b-math.toml"
-PROBLEMS = [("What is 1/4 + 1/4?", "\\frac{1}{2}"), ("What is 2 + 3?", "5"), ("7 - 4?", "3")]
+PROBLEMS = [
+    ("What is 1/4 + 1/4?", "\\frac{1}{2}"),
+    ("What is 2 + 3?", "5"),
+    ("What is 7 - 4?", "3"),
+    ("What is 2 * 4?", "8"),
+]  # the start-up log-prob check plays 4 eval problems
 SHRINK = [  # sizes only; everything else is the recipe's
     "model.device=cpu",
     "model.dtype=float32",
-    "task.options.eval_limit=2",
     "algo.critic_pretrain_steps=1",
     "train.steps=1",
     "train.batch_size=2",
