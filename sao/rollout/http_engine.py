@@ -306,9 +306,29 @@ class VLLMEngine(_HttpEngine):
     and, at a temperature other than 1, ``--logprobs-mode processed_logprobs``
     (vLLM's default log-probabilities are taken before temperature, which
     would make the DIS ratio wrong; the log-prob preflight catches it).
+
+    ``refresh_tied_head``: reload through the sao worker extension's
+    ``reload_weights_and_refresh`` (the server was started with
+    ``--worker-extension-cls sao.rollout.vllm_worker.SaoWorkerExtension``, as
+    ``rollout.launch`` does) instead of plain ``reload_weights``, whose CPU path
+    leaves a tied LM head multiplying by the old embedding.
     """
 
     kind = "vllm"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        version: int = 0,
+        request_timeout_s: float = 600.0,
+        max_seq_len: int | None = None,
+        refresh_tied_head: bool = False,
+    ) -> None:
+        super().__init__(
+            url, version=version, request_timeout_s=request_timeout_s, max_seq_len=max_seq_len
+        )
+        self.refresh_tied_head = refresh_tied_head
 
     async def connect(self, identity: ModelIdentity | None, timeout_s: float = 30.0) -> None:
         await self.wait_ready(timeout_s)
@@ -394,7 +414,8 @@ class VLLMEngine(_HttpEngine):
         await self._ok("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})
 
     async def _reload(self, source: DiskWeights) -> None:
-        body = {"method": "reload_weights", "kwargs": {"weights_path": str(source.path)}}
+        method = "reload_weights_and_refresh" if self.refresh_tied_head else "reload_weights"
+        body = {"method": method, "kwargs": {"weights_path": str(source.path)}}
         await self._ok("POST", "/collective_rpc", body)
         await self._ok("POST", "/update_weight_version", {"new_version": str(source.version)})
         for _ in range(50):  # vLLM answers success=false while a request still runs

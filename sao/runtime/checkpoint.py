@@ -126,9 +126,22 @@ def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[Traject
     return state, blob, [trajectory_from_dict(json.loads(x)) for x in lines if x]
 
 
-RESUMABLE_KEYS = ("train.steps", "train.max_bad_steps", "eval.", "log.")
-"""Config keys (or sections, ending in '.') that may change when a run is resumed;
-any other change would not match the saved optimizer, buffer or prompt stream."""
+RESUMABLE_KEYS = (
+    "train.steps",
+    "train.max_bad_steps",
+    "eval.",
+    "log.",
+    "rollout.engine",
+    "rollout.servers",
+    "rollout.launch",
+    "rollout.server_",
+    "rollout.request_timeout_s",
+    "rollout.weights_dir",
+)
+"""Config keys (or prefixes) that may change when a run is resumed: where the
+rollouts are generated (the engine is given the saved policy and version at
+start) but not how; any other change would not match the saved optimizer,
+buffer or prompt stream."""
 
 
 def saved_config(run_dir: Path, overrides: Sequence[str] = ()) -> Config:

@@ -121,9 +121,17 @@ async def open_rollout_engine(
                 )
             )
             urls = [s.url for s in servers]
-        client_cls = SGLangEngine if r.engine == "sglang" else VLLMEngine
-        clients = [
-            client_cls(url, version=version, request_timeout_s=r.request_timeout_s) for url in urls
+        clients: list[VLLMEngine | SGLangEngine] = [
+            SGLangEngine(url, version=version, request_timeout_s=r.request_timeout_s)
+            if r.engine == "sglang"
+            else VLLMEngine(
+                url,
+                version=version,
+                request_timeout_s=r.request_timeout_s,
+                # servers sao launched load its worker extension; given ones may not
+                refresh_tied_head=r.engine == "vllm" and bool(r.launch),
+            )
+            for url in urls
         ]
         router = EngineRouter(clients, names=urls)
         stack.push_async_callback(router.aclose)

@@ -325,5 +325,5 @@ def _last_action_index(action_mask_BT: torch.Tensor) -> torch.Tensor:
 
 
 def _to_cpu(stats: Stats) -> Stats:
-    """Detached CPU copies of the metrics (one host transfer per step)."""
+    """Detached CPU copies of the metrics, made once at the end of the step."""
     return {k: v.detach().cpu() for k, v in stats.items()}

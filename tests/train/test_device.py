@@ -45,7 +45,7 @@ FACTORIES = {
     torch.zeros, torch.ones, torch.full, torch.empty, torch.arange, torch.tensor,
     torch.as_tensor, torch.rand, torch.randn, torch.randint, torch.linspace, torch.eye,
 }  # fmt: skip
-SITE = ("/torch/", "/transformers/", "/site-packages/")
+LIBRARIES = ("/torch/", "/transformers/")  # their factories are theirs to place
 EXEMPT = (str(Path("sao") / "types.py"),)  # collate: CPU staging, then one Batch.to
 
 
@@ -104,7 +104,7 @@ class ImplicitDevice(TorchFunctionMode):
         if func in FACTORIES and kwargs.get("device") is None:
             data_is_tensor = func is torch.as_tensor and isinstance(args[0], torch.Tensor)
             where = _caller()
-            ours = not any(s in where for s in SITE) and not any(e in where for e in EXEMPT)
+            ours = not any(s in where for s in LIBRARIES) and not any(e in where for e in EXEMPT)
             if ours and not data_is_tensor:
                 raise DeviceMismatch(
                     f"torch.{func.__name__} without device= at {where}: it lands on the CPU "
