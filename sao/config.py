@@ -392,13 +392,17 @@ def load_config(
         from_file = read_file(file)
         preset = from_file.pop("preset", preset)
         data = _merge(data, from_file)
+    for item in overrides:
+        data = _merge(data, parse_override(item))
     name = preset or "calc-tiny"
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}.{_suggest(name, sorted(PRESETS))}")
-    data = _merge(PRESETS[name], data)
-    for item in overrides:
-        data = _merge(data, parse_override(item))
-    return validate(data)
+    base = PRESETS[name]
+    task_name = (data.get("task") or {}).get("name")
+    if task_name is not None and task_name != base.get("task", {}).get("name", "calculator"):
+        # another task: the preset's task options belong to its own task
+        base = {k: v for k, v in base.items() if k != "task"}
+    return validate(_merge(base, data))
 
 
 def validate(data: Mapping[str, Any]) -> Config:

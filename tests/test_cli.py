@@ -173,3 +173,12 @@ def test_real_bugs_are_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sao.runtime.run, "train", bug)
     with pytest.raises(ValueError, match="internal bug"):
         main(["train", *QUIET])
+
+
+def test_another_task_does_not_inherit_the_presets_task_options() -> None:
+    from sao.config import load_config
+
+    assert load_config().task.options["ops_per_call"] == 2  # calc-tiny's calculator options
+    cfg = load_config(overrides=["task.name=dataset", "task.options.path=x.jsonl"])
+    assert cfg.task.options == {"path": "x.jsonl"}
+    assert cfg.train.steps == 100  # the rest of the preset still applies

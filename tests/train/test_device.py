@@ -32,7 +32,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from sao.algo.presets import PRESETS, AlgoPreset
+from sao.config import ConfigError, validate
+from sao.models.device import DeviceError, resolve_device, resolve_dtype
 from sao.models.freeze import freeze_attention
+from sao.models.logprobs import sequence_logprobs
 from sao.models.tiny import build_tiny_policy
 from sao.models.value import ValueModel
 from sao.train.trainer import OptimSettings, Trainer
@@ -54,7 +57,7 @@ class DeviceMismatch(AssertionError):
 
 
 def _caller() -> str:
-    """``file:line`` of the first frame outside torch and these audits."""
+    """``file:line`` of the first frame outside torch that called the factory."""
     frame = sys._getframe(2)  # 0: here, 1: __torch_function__
     while frame is not None and "/torch/" in frame.f_code.co_filename:
         frame = frame.f_back  # type: ignore[assignment]
@@ -233,7 +236,26 @@ def test_step_trains_in_bfloat16_with_float32_masters() -> None:
     assert any(
         not torch.equal(a, p) for a, p in zip(before, trainer.policy.parameters(), strict=True)
     )
-    assert trainer.values(trainer.prepare(batch)).dtype == torch.float32  # type: ignore[union-attr]
+    prepared = trainer.prepare(batch)
+    assert trainer.values(prepared).dtype == torch.float32  # type: ignore[union-attr]
+    logp = sequence_logprobs(trainer.policy, prepared.tokens_BT, prepared.attention_mask_BT)
+    assert logp.dtype == torch.float32
+
+
+def test_device_and_dtype_names_resolve_or_say_what_to_set() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_device("cpu") == cpu
+    assert resolve_device("auto") == (cuda if torch.cuda.is_available() else cpu)
+    assert resolve_dtype("auto", cpu) == torch.float32
+    assert resolve_dtype("auto", cuda) == torch.bfloat16
+    assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
+    with pytest.raises(DeviceError, match="use auto, cpu, cuda or cuda:N"):
+        resolve_device("meta")
+    with pytest.raises(ConfigError, match=r"model\.device: .*'meta' is not a device"):
+        validate({"model": {"device": "meta"}})
+    if not torch.cuda.is_available():
+        with pytest.raises(DeviceError, match=r"no CUDA device is visible.*model\.device=cpu"):
+            resolve_device("cuda:1")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -244,5 +266,6 @@ def test_two_steps_on_cuda_in_bfloat16(name: str) -> None:
         for _ in range(2):
             stats = trainer.step(batch)
     check_stats(stats)
-    assert {d.type for d in mode.devices} == {"cuda"}
+    # collate's staging ops ran on the CPU (alone), everything else on the GPU
+    assert {d.type for d in mode.devices} == {"cpu", "cuda"}
     assert all(p.device.type == "cuda" for p in trainer.policy.parameters())

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sao.config import load_config, read_file
+from sao.config import ConfigError, load_config, read_file
 from sao.models.loading import load_policy
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
@@ -78,6 +78,13 @@ def test_recipe_is_the_documented_gpu_setup() -> None:
     assert cfg.task.name == "dataset" and cfg.task.options["scorer"] == "math"
     assert cfg.algo.preset == "sao" and cfg.train.actor_lr < cfg.train.critic_lr
     assert 32 <= cfg.train.batch_size <= 128 and 1024 <= cfg.rollout.max_new_tokens <= 2048
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_recipe_without_a_gpu_says_what_to_set(tiny_qwen3: Path) -> None:
+    cfg = load_config(file=RECIPE, overrides=[f"model.path={tiny_qwen3}"])
+    with pytest.raises(ConfigError, match=r"model\.device='cuda' but no CUDA device.*=cpu"):
+        build_parts(cfg)
 
 
 def test_recipe_builds_on_the_resolved_device(tiny_qwen3: Path, data: Path, tmp_path: Path) -> None:
