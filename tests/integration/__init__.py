@@ -1,0 +1,1 @@
+"""Tests against real external servers (vLLM on the CPU), skipped unless configured."""
