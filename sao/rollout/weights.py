@@ -9,9 +9,9 @@ token sampled afterwards with that version.
   layout, written atomically by the trainer (:func:`write_weights`), that any
   server (``sao serve``, vLLM, SGLang) on any machine sharing the filesystem
   reloads from.
-- :class:`BroadcastWeights`: a collective broadcast from the trainer to the
-  engines' weight-transfer group (NCCL on GPU, gloo on CPU); the engine is told
-  the names, dtypes and shapes, then receives the tensors.
+
+A collective broadcast to the servers' weight-transfer groups (NCCL) is not
+built yet: every server reloads from the directory.
 
 The directory layout of :func:`write_weights` is ``ROOT/v00000012/`` holding
 ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with a
@@ -25,16 +25,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
 
 __all__ = [
-    "BroadcastWeights",
     "DiskWeights",
     "TensorWeights",
     "WeightSource",
@@ -63,27 +61,7 @@ class DiskWeights:
     version: int
 
 
-class WeightSender(Protocol):
-    """The trainer's end of a weight-transfer group: broadcasts tensors in order."""
-
-    def broadcast(self, tensors: Sequence[torch.Tensor]) -> None: ...
-
-
-@dataclass(frozen=True)
-class BroadcastWeights:
-    """Tensors to broadcast over an initialised weight-transfer group.
-
-    ``send`` runs on the trainer side (in a thread) while the engine receives:
-    the engine first announces names, dtypes and shapes to its server, then
-    calls ``send(tensors)``.
-    """
-
-    state_dict: Mapping[str, torch.Tensor]
-    version: int
-    send: Callable[[Sequence[torch.Tensor]], Awaitable[None]] | None = None
-
-
-WeightSource = TensorWeights | DiskWeights | BroadcastWeights
+WeightSource = TensorWeights | DiskWeights
 
 
 def _unique(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -84,6 +84,7 @@ class Orchestrator:
         self.timeouts = 0
         self.tokens_done = 0
         self._running = 0
+        self._fatal: BaseException | None = None
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
@@ -93,6 +94,8 @@ class Orchestrator:
         """Keep ``in_flight`` episodes running, within the gate's capacity."""
         G = self.group_size
         while True:
+            if self._fatal is not None:  # an episode hit an error the run cannot survive
+                raise self._fatal
             if self._running + G <= self.in_flight and self.gate.can_start(self.consumed, G):
                 self._start_group(self._next_index())
                 continue
@@ -132,6 +135,11 @@ class Orchestrator:
             )
             self._account(traj)
             self.buffer.add(traj)
+        except asyncio.CancelledError:
+            raise
+        except Exception as err:  # engine failure, or a bug: stop the run, do not hang it
+            if self._fatal is None:
+                self._fatal = err
         finally:
             self._running -= 1
             left = self.state.in_flight.get(index, 1) - 1
