@@ -57,7 +57,7 @@ class SaoWorkerExtension:
 
         worker = cast(_Worker, self)
         worker.reload_weights(weights_path=weights_path)
-        with set_current_vllm_config(worker.vllm_config):  # type: ignore[arg-type]
+        with set_current_vllm_config(worker.vllm_config):
             return _refresh_tied_prepacked(worker.model_runner.get_model())
 
 
