@@ -187,6 +187,12 @@ class RolloutConfig(_Section):
     weights_dir: str | None = None
     """Directory (shared with the servers) the trainer writes weight versions to; None:
     RUN_DIR/weights."""
+    weight_transfer: Literal["auto", "disk", "broadcast"] = "auto"
+    """How weights reach servers: ``disk`` (the weights directory; survives a server
+    failure), ``broadcast`` (a process group with the servers: NCCL on GPU, gloo on CPU;
+    `sao serve` and SGLang), ``auto`` = disk."""
+    weight_transfer_address: str = "127.0.0.1"
+    """Address the servers reach the trainer on for ``weight_transfer=broadcast``."""
 
 
 class TrainConfig(_Section):
@@ -430,6 +436,11 @@ def validate(data: Mapping[str, Any]) -> Config:
         raise ConfigError(
             f"rollout.engine={r.engine!r} needs exactly one of rollout.servers (URLs of running "
             "servers) or rollout.launch (how many local servers to start)"
+        )
+    if r.weight_transfer == "broadcast" and r.engine not in ("http", "sglang"):
+        raise ConfigError(
+            f"rollout.weight_transfer=broadcast works with rollout.engine=http or sglang, not "
+            f"{r.engine!r} (vLLM's NCCL transfer is not supported yet; use disk)"
         )
     if cfg.rollout.in_flight < G:
         raise ConfigError(

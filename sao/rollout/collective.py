@@ -23,9 +23,7 @@ import torch.distributed as dist
 
 __all__ = ["WeightGroup", "init_weight_group", "receive_tensors", "send_tensors"]
 
-_DTYPES = {
-    str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16)
-}
+_DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16)}
 _names = itertools.count()
 
 
@@ -54,16 +52,28 @@ def init_weight_group(
     store.set_timeout(timeout)
     store = PrefixStore(group_name, store)
     pg, _ = _new_process_group_helper(
-        world_size, rank, [], Backend(backend), store, group_name=group_name, timeout=timeout
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        store,
+        group_name=group_name,  # type: ignore[arg-type]  # a str, as SGLang passes it
+        timeout=timeout,
     )
     _world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
     return pg
 
 
+def _from_trainer() -> dist.BroadcastOptions:
+    opts = dist.BroadcastOptions()
+    opts.rootRank = 0
+    return opts
+
+
 def send_tensors(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
     """Broadcast ``tensors`` in order from rank 0 (the trainer)."""
     for t in tensors:
-        group.broadcast([t.contiguous()], 0).wait()
+        group.broadcast([t.contiguous()], _from_trainer()).wait()
 
 
 def receive_tensors(
@@ -79,7 +89,7 @@ def receive_tensors(
         if dtype not in _DTYPES:
             raise ValueError(f"weight {name!r}: unsupported dtype {dtype!r}")
         t = torch.empty(tuple(shape), dtype=_DTYPES[dtype], device=device)
-        group.broadcast([t], 0).wait()
+        group.broadcast([t], _from_trainer()).wait()
         out[name] = t
     return out
 

@@ -27,14 +27,15 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import aiohttp
 
-from sao.rollout.weights import DiskWeights, WeightSource
+from sao.rollout.collective import WeightGroup, describe
+from sao.rollout.weights import BroadcastWeights, DiskWeights, WeightSource
 from sao.types import Completion, CompletionFinish, SamplingParams
 
 __all__ = ["EngineError", "EngineSetupError", "ModelIdentity", "SGLangEngine", "VLLMEngine"]
@@ -155,20 +156,65 @@ class _HttpEngine:
                 finish = "length"
             return Completion(tuple(tokens), tuple(logps), tuple(versions), finish)
 
+    @property
+    def supports_broadcast(self) -> bool:
+        """True when the server can join a weight-transfer group (BroadcastWeights)."""
+        return False
+
+    keeps_versions = False
+    """True when the server reports per-token versions, so an update needs no pause."""
+
     async def update_weights(self, source: WeightSource) -> None:
-        """Pause (abort in-flight), reload from a weight directory, resume."""
+        """Pause (abort in-flight), load ``source``, resume. A
+        :class:`BroadcastWeights` is received while the trainer sends it."""
+        if isinstance(source, BroadcastWeights):
+            group = cast(WeightGroup, source.group)
+            await asyncio.gather(
+                self.receive_broadcast(source), asyncio.to_thread(group.send, source.state_dict)
+            )
+            return
         if not isinstance(source, DiskWeights):
             raise TypeError(
-                f"{type(self).__name__} reloads weights from a directory; pass DiskWeights, "
+                f"{type(self).__name__} takes DiskWeights or BroadcastWeights, "
                 f"not {type(source).__name__}"
             )
+        if self.keeps_versions:  # in-flight requests go on; their tokens carry exact versions
+            await self._reload(source)
+            self._version = source.version
+        else:
+            await self._paused(self._reload(source), source.version)
+
+    async def receive_broadcast(self, source: BroadcastWeights) -> None:
+        """This server's half of a broadcast (the trainer sends concurrently)."""
+        if not self.supports_broadcast:
+            raise EngineSetupError(
+                f"{self.kind} server {self.url} cannot receive broadcast weights; use "
+                "rollout.weight_transfer=disk"
+            )
+        if self.keeps_versions:
+            await self._receive(source)
+            self._version = source.version
+        else:
+            await self._paused(self._receive(source), source.version)
+
+    async def join_weight_group(self, group: WeightGroup, rank_offset: int) -> None:
+        """Ask the server to join ``group`` as rank ``rank_offset`` (the trainer
+        opens it concurrently)."""
+        if not self.supports_broadcast:
+            raise EngineSetupError(
+                f"{self.kind} server {self.url} cannot join a weight-transfer group; use "
+                "rollout.weight_transfer=disk"
+            )
+        await self._join(group, rank_offset)
+
+    async def _paused(self, load: Awaitable[None], version: int) -> None:
         t0 = time.perf_counter()
         self._epoch += 1
         self._unpaused.clear()
         try:
             await self._pause()
-            await self._reload(source)
-            self._version = source.version
+            await load
+            self._version = version
         finally:
             with contextlib.suppress(EngineError):
                 await self._resume()
@@ -266,6 +312,12 @@ class _HttpEngine:
     async def _resume(self) -> None:
         raise NotImplementedError
 
+    async def _join(self, group: WeightGroup, rank_offset: int) -> None:
+        raise NotImplementedError
+
+    async def _receive(self, source: BroadcastWeights) -> None:
+        raise NotImplementedError
+
 
 def _replace(sampling: SamplingParams, **changes: Any) -> SamplingParams:
     from dataclasses import replace
@@ -343,6 +395,7 @@ class VLLMEngine(_HttpEngine):
         sao_info = info.get("sao")
         if isinstance(sao_info, dict):
             self.kind = "sao serve"
+            self.keeps_versions = True  # it reports the version of every token
             self._version = int(sao_info.get("version", self._version))
         if identity is not None:
             theirs = (
@@ -409,6 +462,31 @@ class VLLMEngine(_HttpEngine):
         return _Part(
             [int(t) for t in ids], logps, None if versions is None else list(versions), finish
         )
+
+    @property
+    def supports_broadcast(self) -> bool:
+        # vLLM's own NCCL transfer needs its trainer-side group (vLLM's
+        # StatelessProcessGroup), which is not built; `sao serve` joins a torch group.
+        return self.kind == "sao serve"
+
+    @property
+    def weight_sources(self) -> tuple[type, ...]:
+        return (DiskWeights, BroadcastWeights) if self.supports_broadcast else (DiskWeights,)
+
+    async def _join(self, group: WeightGroup, rank_offset: int) -> None:
+        info = {
+            "master_address": group.master_address,
+            "master_port": group.master_port,
+            "rank_offset": rank_offset,
+            "world_size": group.world_size,
+            "backend": group.backend,
+            "group_name": group.group_name,
+        }
+        await self._ok("POST", "/init_weight_transfer_engine", {"init_info": info})
+
+    async def _receive(self, source: BroadcastWeights) -> None:
+        info = describe(source.state_dict)
+        await self._ok("POST", "/update_weights", {"update_info": info, "version": source.version})
 
     async def _pause(self) -> None:
         await self._ok("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})
@@ -493,6 +571,41 @@ class SGLangEngine(_HttpEngine):
                 f"sglang server {self.url}: unexpected response {data!r:.300}"
             ) from err
         return _Part(ids, logps, None, finish)
+
+    @property
+    def supports_broadcast(self) -> bool:
+        return True
+
+    @property
+    def weight_sources(self) -> tuple[type, ...]:
+        return (DiskWeights, BroadcastWeights)
+
+    async def _join(self, group: WeightGroup, rank_offset: int) -> None:
+        body = {
+            "master_address": group.master_address,
+            "master_port": group.master_port,
+            "rank_offset": rank_offset,
+            "world_size": group.world_size,
+            "group_name": group.group_name,
+            "backend": group.backend,
+        }
+        data = await self._ok("POST", "/init_weights_update_group", body)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineSetupError(f"sglang server {self.url} could not join: {data}")
+
+    async def _receive(self, source: BroadcastWeights) -> None:
+        info = describe(source.state_dict)
+        body = {
+            "names": info["names"],
+            "dtypes": info["dtype_names"],
+            "shapes": info["shapes"],
+            "group_name": cast(WeightGroup, source.group).group_name,
+            "weight_version": str(source.version),
+            "flush_cache": True,
+        }
+        data = await self._ok("POST", "/update_weights_from_distributed", body)
+        if isinstance(data, dict) and data.get("success") is False:
+            raise EngineError(f"sglang server {self.url} failed to receive weights: {data}")
 
     async def _pause(self) -> None:
         await self._ok("POST", "/pause_generation", {"mode": "abort"})

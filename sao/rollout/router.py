@@ -21,10 +21,12 @@ import asyncio
 import logging
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any, cast
 
+from sao.rollout.collective import WeightGroup
 from sao.rollout.engine import Engine, episode_key
 from sao.rollout.http_engine import EngineError
-from sao.rollout.weights import WeightSource
+from sao.rollout.weights import BroadcastWeights, WeightSource
 from sao.types import Completion, SamplingParams
 
 __all__ = ["EngineRouter", "NoLiveEngineError", "episode_key"]
@@ -117,11 +119,33 @@ class EngineRouter:
             finally:
                 self.outstanding[i] -= 1
 
+    async def join_weight_group(self, group: WeightGroup) -> None:
+        """Open ``group`` (the trainer as rank 0) with every engine as ranks 1..N."""
+        joins = [cast(Any, e).join_weight_group(group, 1 + i) for i, e in enumerate(self.engines)]
+        await asyncio.gather(asyncio.to_thread(group.open), *joins)
+
     async def update_weights(self, source: WeightSource) -> None:
         live = [i for i, ok in enumerate(self.alive) if ok]
-        results = await asyncio.gather(
-            *(self.engines[i].update_weights(source) for i in live), return_exceptions=True
-        )
+        if isinstance(source, BroadcastWeights):  # one broadcast reaches every engine
+            if not all(self.alive):
+                raise NoLiveEngineError(
+                    "a server of the weight-transfer group failed, and a broadcast needs every "
+                    "rank: continue with `sao train --resume RUN_DIR`, or use "
+                    "rollout.weight_transfer=disk to survive failures ("
+                    + "; ".join(self.failures)
+                    + ")"
+                )
+            group = cast(WeightGroup, source.group)
+            updates = [cast(Any, self.engines[i]).receive_broadcast(source) for i in live]
+            sent, *results = await asyncio.gather(
+                asyncio.to_thread(group.send, source.state_dict), *updates, return_exceptions=True
+            )
+            if isinstance(sent, BaseException):
+                raise sent
+        else:
+            results = await asyncio.gather(
+                *(self.engines[i].update_weights(source) for i in live), return_exceptions=True
+            )
         for i, result in zip(live, results, strict=True):
             if isinstance(result, EngineError):
                 self._mark_dead(i, result)

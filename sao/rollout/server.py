@@ -34,6 +34,7 @@ from typing import Any
 
 from aiohttp import web
 
+from sao.rollout.collective import init_weight_group, receive_tensors
 from sao.rollout.torch_engine import TorchEngine
 from sao.rollout.weights import read_weights, weights_version
 from sao.types import Completion, SamplingParams
@@ -96,6 +97,10 @@ class EngineServer:
         r.add_post("/collective_rpc", self.collective_rpc)
         r.add_post("/update_weight_version", self.update_weight_version)
         r.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        r.add_post("/init_weight_transfer_engine", self.init_weight_transfer)
+        r.add_post("/update_weights", self.update_weights)
+        self._group: Any = None
+        self._backend = "gloo"
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -200,6 +205,42 @@ class EngineServer:
             raise BadRequest("update_weight_version needs {'new_version': N}")
         await asyncio.to_thread(self.engine.load_weights, {}, int(version))
         return web.json_response({"version": int(version)})
+
+    async def init_weight_transfer(self, request: web.Request) -> web.Response:
+        """Join the trainer's weight-transfer group (:mod:`sao.rollout.collective`)."""
+        info = (await request.json()).get("init_info") or {}
+        try:
+            self._group = await asyncio.to_thread(
+                init_weight_group,
+                str(info.get("backend", "gloo")),
+                str(info["master_address"]),
+                int(info["master_port"]),
+                int(info["world_size"]),
+                int(info["rank_offset"]),
+                str(info["group_name"]),
+            )
+        except (KeyError, TypeError, ValueError) as err:
+            raise BadRequest(f"init_weight_transfer_engine: bad init_info ({err})") from None
+        self._backend = str(info.get("backend", "gloo"))
+        return web.json_response({"success": True})
+
+    async def update_weights(self, request: web.Request) -> web.Response:
+        """Receive one broadcast version and apply it between two decode steps."""
+        if self._group is None:
+            raise BadRequest("update_weights before init_weight_transfer_engine")
+        body = await request.json()
+        info = body.get("update_info") or {}
+        state = await asyncio.to_thread(
+            receive_tensors,
+            info.get("names", []),
+            info.get("dtype_names", []),
+            info.get("shapes", []),
+            self._group,
+            "cpu" if self._backend == "gloo" else self.engine.device,
+        )
+        version = int(body.get("version", self.engine.version))
+        await asyncio.to_thread(self.engine.load_weights, state, version)
+        return web.json_response({"success": True, "version": version})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         reset = getattr(self.engine, "reset_prefix_cache", None)

@@ -255,6 +255,11 @@ class TorchEngine:
             raise
 
     @property
+    def device(self) -> torch.device:
+        """Where the engine's copy of the model lives."""
+        return next(self._model.parameters()).device
+
+    @property
     def weight_sources(self) -> tuple[type, ...]:
         """In-process tensors first; a weight directory also works."""
         return (TensorWeights, DiskWeights)

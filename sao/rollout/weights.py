@@ -9,9 +9,10 @@ token sampled afterwards with that version.
   layout, written atomically by the trainer (:func:`write_weights`), that any
   server (``sao serve``, vLLM, SGLang) on any machine sharing the filesystem
   reloads from.
-
-A collective broadcast to the servers' weight-transfer groups (NCCL) is not
-built yet: every server reloads from the directory.
+- :class:`BroadcastWeights`: tensors broadcast by the trainer over a
+  weight-transfer process group the servers joined
+  (:class:`~sao.rollout.collective.WeightGroup`: NCCL on GPU, gloo on CPU),
+  for ``sao serve`` and SGLang; no filesystem involved.
 
 The directory layout of :func:`write_weights` is ``ROOT/v00000012/`` holding
 ``model.safetensors`` (or ``model-0000i-of-0000n.safetensors`` shards with a
@@ -33,6 +34,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 __all__ = [
+    "BroadcastWeights",
     "DiskWeights",
     "TensorWeights",
     "WeightSource",
@@ -61,7 +63,17 @@ class DiskWeights:
     version: int
 
 
-WeightSource = TensorWeights | DiskWeights
+@dataclass(frozen=True)
+class BroadcastWeights:
+    """Tensors the trainer broadcasts over ``group`` (a joined
+    :class:`~sao.rollout.collective.WeightGroup`) as version ``version``."""
+
+    state_dict: Mapping[str, torch.Tensor]
+    version: int
+    group: object
+
+
+WeightSource = TensorWeights | DiskWeights | BroadcastWeights
 
 
 def _unique(state_dict: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:

@@ -24,12 +24,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.config import Config
 from sao.models.cache import sao_home
+from sao.rollout.collective import WeightGroup
 from sao.rollout.engine import Engine
 from sao.rollout.http_engine import ModelIdentity, SGLangEngine, VLLMEngine
-from sao.rollout.launch import launch_servers
+from sao.rollout.launch import free_port, launch_servers
 from sao.rollout.router import EngineRouter
 from sao.rollout.torch_engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
-from sao.rollout.weights import TensorWeights, write_weights
+from sao.rollout.weights import BroadcastWeights, TensorWeights, write_weights
 
 __all__ = ["Publish", "open_rollout_engine"]
 
@@ -56,14 +57,19 @@ def context_window(policy: PreTrainedModel) -> int:
     return min(n, DEFAULT_MAX_SEQ_LEN_CAP)
 
 
-def make_publish(engine: Engine, policy: PreTrainedModel, weights_dir: Path) -> Publish:
-    """``publish(version)``: the policy's weights to ``engine`` in the first kind
-    of source it accepts; returns the seconds it took (write + apply)."""
+def make_publish(
+    engine: Engine, policy: PreTrainedModel, weights_dir: Path, group: WeightGroup | None = None
+) -> Publish:
+    """``publish(version)``: the policy's weights to ``engine``, broadcast over
+    ``group`` when given, else in the first kind of source it accepts; returns
+    the seconds it took (write or send, and apply)."""
 
     async def publish(version: int) -> float:
         t0 = time.perf_counter()
-        if engine.weight_sources[0] is TensorWeights:
-            source: object = TensorWeights(policy.state_dict(), version)
+        if group is not None:
+            source: object = BroadcastWeights(policy.state_dict(), version, group)
+        elif engine.weight_sources[0] is TensorWeights:
+            source = TensorWeights(policy.state_dict(), version)
         else:
             source = await asyncio.to_thread(
                 write_weights, policy.state_dict(), weights_dir, version, config=policy.config
@@ -137,6 +143,16 @@ async def open_rollout_engine(
         stack.push_async_callback(router.aclose)
         identity = ModelIdentity.from_config(model_dir, policy.config)
         await asyncio.gather(*(c.connect(identity, r.server_timeout_s) for c in clients))
-        publish = make_publish(router, policy, weights_dir)
+        group = None
+        if r.weight_transfer == "broadcast":
+            group = WeightGroup(
+                r.weight_transfer_address,
+                free_port(),
+                1 + len(clients),
+                backend="nccl" if device.type == "cuda" else "gloo",
+                timeout_s=r.request_timeout_s,
+            )
+            await router.join_weight_group(group)
+        publish = make_publish(router, policy, weights_dir, group)
         await publish(version)  # the servers sample with the trainer's weights from here on
         yield router, publish

@@ -24,6 +24,7 @@ from typing import Any
 from aiohttp import web
 from transformers import PreTrainedModel
 
+from sao.rollout.collective import init_weight_group, receive_tensors
 from sao.rollout.http_engine import SGLangEngine, VLLMEngine
 from sao.rollout.server import EngineServer, _sampling
 from sao.rollout.torch_engine import TorchEngine
@@ -48,6 +49,9 @@ class FakeSGLang:
         r.add_post("/pause_generation", self.pause)
         r.add_post("/continue_generation", self.resume)
         r.add_post("/update_weights_from_disk", self.update_from_disk)
+        r.add_post("/init_weights_update_group", self.init_group)
+        r.add_post("/update_weights_from_distributed", self.update_from_distributed)
+        self.group: Any = None
 
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="")
@@ -107,6 +111,24 @@ class FakeSGLang:
         self.weight_version = body.get("weight_version") or self.weight_version
         return web.json_response({"success": True, "message": "ok"})
 
+    async def init_group(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        args = (b["backend"], b["master_address"], int(b["master_port"]), int(b["world_size"]))
+        rank = int(b["rank_offset"])  # tp rank 0
+        self.group = await asyncio.to_thread(
+            init_weight_group, *args, rank, str(b.get("group_name", "weight_update_group"))
+        )
+        return web.json_response({"success": True, "message": "ok"})
+
+    async def update_from_distributed(self, request: web.Request) -> web.Response:
+        b = await request.json()
+        state = await asyncio.to_thread(
+            receive_tensors, b["names"], b["dtypes"], b["shapes"], self.group, "cpu"
+        )
+        await asyncio.to_thread(self.engine.load_weights, state, self.engine.version)
+        self.weight_version = b.get("weight_version") or self.weight_version
+        return web.json_response({"success": True, "message": "ok"})
+
 
 @contextlib.asynccontextmanager
 async def serving(app: web.Application) -> AsyncIterator[str]:
@@ -148,3 +170,20 @@ async def open_engine(
             await vclient.aclose()
     finally:
         await local.aclose()
+
+
+def main() -> None:
+    """``python -m tests.rollout.engines MODEL_DIR PORT``: the fake SGLang server
+    as its own process (a weight-transfer group needs one process per rank)."""
+    import sys
+
+    from sao.models.loading import load_policy
+
+    model_dir, port = sys.argv[1], int(sys.argv[2])
+    engine = TorchEngine(load_policy(model_dir), max_seq_len=256, max_batch_size=8)
+    fake = FakeSGLang(engine, model_dir)
+    web.run_app(fake.app, host="127.0.0.1", port=port, print=None, handler_cancellation=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -130,3 +130,64 @@ def test_disk_weights_round_trip_with_tied_embeddings(tmp_path: Path) -> None:
     for v in range(4, 8):
         write_weights(tied.state_dict(), tmp_path, v, keep=2)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["v00000006", "v00000007"]
+
+
+@pytest.mark.parametrize("server", ["sao-serve", "sglang-fake"])
+def test_broadcast_weights_over_a_gloo_group(
+    server: str, tmp_path: Path, chatml_tok: object
+) -> None:
+    """Two server processes join the trainer's weight-transfer group; one
+    broadcast updates both, and their log-probabilities follow the new weights."""
+    import subprocess
+    import sys
+
+    from sao.rollout.collective import WeightGroup
+    from sao.rollout.http_engine import SGLangEngine
+    from sao.rollout.launch import free_port
+    from sao.rollout.router import EngineRouter
+    from sao.rollout.weights import BroadcastWeights
+
+    old, new = build("llama", seed=0), build("llama", seed=1)
+    old.save_pretrained(tmp_path / "model")
+    chatml_tok.save_pretrained(tmp_path / "model")  # type: ignore[attr-defined]
+    ports = [free_port() for _ in range(2)]
+    module = ["sao.cli", "serve"] if server == "sao-serve" else ["tests.rollout.engines"]
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                *module,
+                str(tmp_path / "model"),
+                *(["--port", str(p)] if server == "sao-serve" else [str(p)]),
+            ],
+            stdout=(tmp_path / f"server-{p}.log").open("wb"),
+            stderr=subprocess.STDOUT,
+        )
+        for p in ports
+    ]
+    client_cls = VLLMEngine if server == "sao-serve" else SGLangEngine
+
+    async def go() -> list:
+        clients = [client_cls(f"http://127.0.0.1:{p}", request_timeout_s=60) for p in ports]
+        router = EngineRouter(clients)
+        try:
+            for c in clients:
+                await c.connect(None, timeout_s=60)
+            group = WeightGroup("127.0.0.1", free_port(), 3, timeout_s=60)
+            await router.join_weight_group(group)
+            await router.update_weights(BroadcastWeights(new.state_dict(), 7, group))
+            sp = SamplingParams(temperature=0.9, max_new_tokens=8, seed=3)
+            return [await c.generate(PROMPT, sp) for c in clients]
+        finally:
+            await router.aclose()
+
+    try:
+        outs = asyncio.run(go())
+    finally:
+        for p in procs:
+            p.kill()
+    for c in outs:
+        assert c.token_ids and set(c.versions) == {7}
+        ref = reference_logp(new, PROMPT, c.token_ids, 0.9)
+        assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)

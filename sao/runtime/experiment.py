@@ -1,0 +1,587 @@
+"""Experiments are data: ``sao experiment`` runs a grid of arms x seeds, each
+run a ``sao train`` subprocess in its own run directory, and reports it.
+
+An :class:`Experiment` is a name, the paper claim it tests, a base preset with
+overrides, and arms (arm name -> ``--set`` overrides). The named ones
+(:data:`EXPERIMENTS`) reproduce the paper's comparisons at tiny scale; a TOML
+file defines others (:func:`load_grid`)::
+
+    [experiment]
+    name = "lr"
+    claim = "A lower actor LR trains more stably."
+    preset = "calc-tiny"
+    base = ["train.steps=50"]
+
+    [arms.lr3e-4]
+    set = ["train.actor_lr=3e-4"]
+    [arms.lr1e-4]
+    set = ["train.actor_lr=1e-4"]
+
+Layout of a results directory ``DIR`` (default ``experiments/NAME``)::
+
+    DIR/experiment.json               the name and definition (one experiment per DIR)
+    DIR/runs/ARM/seed-S/              `sao train --set seed=S --set log.run_dir=...`
+    DIR/logs/ARM/seed-S.log           its stdout and stderr
+    DIR/results.csv results.md *.png  the report (sao.runtime.report)
+
+Running again resumes: a run whose ``summary.json`` exists is kept, one with a
+checkpoint is continued (``sao train --resume``), any other is started afresh.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from sao.config import ConfigError, load_config, read_file
+
+EXPERIMENT_BASE = ("log.checkpoint_every=50", "eval.every=10")
+"""Overrides every named experiment starts from: a checkpoint every 50 steps (an
+interrupted run loses at most that many), held-out success every 10."""
+
+RESERVED = ("seed", "log.run_dir", "log.live")
+"""Keys the runner sets for each run; ``--set`` may not."""
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A grid of arms (each a list of ``--set`` overrides) over one base config."""
+
+    name: str
+    claim: str
+    """The paper's claim this tests, with the paper's numbers, and what stands in for it here."""
+    preset: str
+    """The config preset every arm starts from (``calc-tiny``, ...)."""
+    arms: Mapping[str, tuple[str, ...]]
+    base: tuple[str, ...] = ()
+    """Overrides of every arm (applied before the arm's own)."""
+    cost: str = ""
+    """Estimated wall-clock cost, with how it was estimated."""
+    marks: tuple[int, ...] = ()
+    """Actor steps drawn as vertical lines in the plots (e.g. preference switches)."""
+
+    def __post_init__(self) -> None:
+        for what, name in [("experiment", self.name), *(("arm", a) for a in self.arms)]:
+            if not _NAME.match(name):
+                raise ConfigError(
+                    f"{what} name {name!r} must be letters, digits, '.', '_' or '-' "
+                    "(it names a directory)"
+                )
+        if not self.arms:
+            raise ConfigError(f"experiment {self.name!r} has no arms")
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> Experiment:
+        """Inverse of :meth:`to_dict`."""
+        arms, base, marks = d["arms"], d.get("base", []), d.get("marks", [])
+        assert isinstance(arms, Mapping) and isinstance(base, list) and isinstance(marks, list)
+        return cls(
+            name=str(d["name"]),
+            claim=str(d["claim"]),
+            preset=str(d["preset"]),
+            arms={str(a): tuple(map(str, s)) for a, s in arms.items()},
+            base=tuple(map(str, base)),
+            cost=str(d.get("cost", "")),
+            marks=tuple(map(int, marks)),
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data (written to ``experiment.json``)."""
+        return {
+            "name": self.name,
+            "claim": self.claim,
+            "preset": self.preset,
+            "base": list(self.base),
+            "arms": {a: list(s) for a, s in self.arms.items()},
+            "cost": self.cost,
+            "marks": list(self.marks),
+        }
+
+
+def _steps(n: int) -> tuple[str, ...]:
+    return (*EXPERIMENT_BASE, f"train.steps={n}")
+
+
+_SAO = ("algo=sao",)
+_COMPARED = (
+    "All arms train 32 trajectories per actor step for the same number of actor steps; "
+    "group arms (GRPO) take 4 prompts x 8 rollouts, single-rollout arms 32 prompts."
+)
+
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in [
+        Experiment(
+            name="table1",
+            claim=(
+                "Paper Table 1 (Qwen3-30B-A3B, asynchronous RL): SAO 97.3 on AIME25; SAO with "
+                "the DIS loss only (no K=2 critic steps, frozen critic attention or value "
+                "warm-up) 94.2; GRPO with DIS 93.5; GRPO with the PPO clip 84.2, and vanilla "
+                "GRPO collapses around step 160 (VAPO around 90). Here: calc-tiny (the "
+                "project's task where RL works), asynchronous with the default staleness "
+                "bound (runtime.max_lag=4), greedy held-out success in place of AIME25. "
+                + _COMPARED
+            ),
+            preset="calc-tiny",
+            base=_steps(250),
+            arms={
+                "sao": _SAO,
+                "sao_dis_only": ("algo=sao_dis_only",),
+                "grpo_dis": ("algo=grpo_dis",),
+                "grpo": ("algo=grpo",),
+            },
+            cost="~55 min with --jobs 2 and 3 seeds on 2 CPU cores (12 runs of 250 steps)",
+        ),
+        Experiment(
+            name="critic",
+            claim=(
+                "Paper Tables 3-4 and Fig. 4 (AIME25 / BeyondAIME): SAO 97.3 / 74.8; one "
+                "critic step per actor step (K=1) 95.0 / 69.75; a full-parameter critic "
+                "(attention not frozen) 90.62 / 74.50; the running-mean baseline instead of "
+                "a critic 79.8 / 55.3; and the value warm-up matters. Here: calc-tiny, "
+                "greedy held-out success; the explained-variance plot is Fig. 4's. " + _COMPARED
+            ),
+            preset="calc-tiny",
+            base=_steps(150),
+            arms={
+                "sao": _SAO,
+                "k1": (*_SAO, "algo.critic_steps=1"),
+                "full_critic": (*_SAO, "algo.freeze_critic_attention=false"),
+                "no_warmup": (*_SAO, "algo.critic_pretrain_steps=0"),
+                "running_mean": ("algo=running_mean",),
+            },
+            cost="~55 min with --jobs 2 and 3 seeds on 2 CPU cores (15 runs of 150 steps)",
+        ),
+        Experiment(
+            name="gae",
+            claim=(
+                "Paper Table 5 and Fig. 6 (multi-turn agentic task, 400 steps): token-level "
+                "GAE (SAO) 89.8 vs step-level GAE 85.8 (turn average) / 87.3 (turn last "
+                "token), and a higher training reward. Here: guess-tiny (guess a number "
+                "from higher/lower feedback, up to 7 turns). Caveat: guess-tiny does not yet "
+                "learn under RL (BENCHMARKS.md: held-out success stays near the warm "
+                "start's 0.38 under every arm tried), so until a multi-turn task where RL "
+                "helps exists, a null result here says nothing about the claim. " + _COMPARED
+            ),
+            preset="guess-tiny",
+            base=_steps(150),
+            arms={
+                "sao": _SAO,
+                "step_average": ("algo=step_average",),
+                "step_last_token": ("algo=step_last_token",),
+            },
+            cost="~55 min with --jobs 2 and 3 seeds on 2 CPU cores (9 runs of 150 steps)",
+        ),
+        Experiment(
+            name="online",
+            claim=(
+                "Paper Fig. 5 (online learning under preference shifts): when the preferred "
+                "writing style switches, SAO re-aligns faster than the running-mean baseline "
+                "with a 128-reward window, and its training reward recovers sooner. Here: "
+                "style-shift-tiny, preferred style cute, then chuunibyou from actor step "
+                "100, classical from 200 (dashed lines); held-out success is judged with the "
+                "style preferred at the time of each eval. " + _COMPARED
+            ),
+            preset="style-shift-tiny",
+            base=(
+                *_steps(300),
+                'task.options.schedule=[[0, "cute"], [100, "chuunibyou"], [200, "classical"]]',
+            ),
+            arms={
+                "sao": _SAO,
+                "running_mean": (
+                    "algo=running_mean",
+                    "algo.running_mean_window=128",
+                    "algo.running_mean_per_prompt=false",
+                ),
+            },
+            cost="~60 min with --jobs 2 and 3 seeds on 2 CPU cores (6 runs of 300 steps)",
+            marks=(100, 200),
+        ),
+    ]
+}
+"""The named experiments; ``sao experiment --list`` prints them."""
+
+
+def _closest(name: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.4)
+    hint = f" Did you mean {close[0]!r}?" if close else ""
+    return f"{hint} Valid: {', '.join(valid)}."
+
+
+def get_experiment(name: str) -> Experiment:
+    """The named experiment; an error names the closest one."""
+    if name not in EXPERIMENTS:
+        raise ConfigError(f"unknown experiment {name!r}.{_closest(name, list(EXPERIMENTS))}")
+    return EXPERIMENTS[name]
+
+
+def _strings(value: object, where: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(x, str) for x in value):
+        raise ConfigError(f"{where} must be a list of 'key=value' strings, got {value!r}")
+    return tuple(value)
+
+
+def _known(table: Mapping[str, object], keys: Sequence[str], where: str) -> None:
+    for k in table:
+        if k not in keys:
+            raise ConfigError(f"unknown key {k!r} in {where}.{_closest(k, keys)}")
+
+
+def load_grid(path: str | Path) -> Experiment:
+    """A custom experiment from a TOML file (see the module docstring)."""
+    data = read_file(path)
+    _known(data, ["experiment", "arms"], str(path))
+    head = data.get("experiment")
+    arms = data.get("arms")
+    if not isinstance(head, dict) or not isinstance(arms, dict) or not arms:
+        raise ConfigError(f"{path}: needs an [experiment] table and at least one [arms.NAME]")
+    _known(head, ["name", "claim", "preset", "base", "cost", "marks"], "[experiment]")
+    for key in ("name", "claim"):
+        if not isinstance(head.get(key), str):
+            raise ConfigError(f'{path}: [experiment] needs {key} = "..."')
+    parsed: dict[str, tuple[str, ...]] = {}
+    for arm, table in arms.items():
+        if not isinstance(table, dict):
+            raise ConfigError(f"{path}: [arms.{arm}] must be a table with set = [...]")
+        _known(table, ["set"], f"[arms.{arm}]")
+        parsed[arm] = _strings(table.get("set", []), f"[arms.{arm}] set")
+    marks = head.get("marks", [])
+    if not isinstance(marks, list) or not all(isinstance(m, int) for m in marks):
+        raise ConfigError(f"{path}: [experiment] marks must be a list of steps")
+    return Experiment(
+        name=head["name"],
+        claim=head["claim"],
+        preset=str(head.get("preset", "calc-tiny")),
+        arms=parsed,
+        base=_strings(head.get("base", []), "[experiment] base"),
+        cost=str(head.get("cost", "")),
+        marks=tuple(marks),
+    )
+
+
+# ---------------------------------------------------------------------- planning
+
+
+def _key(item: str) -> str:
+    """The dotted key an override sets; ``algo=NAME`` sets ``algo.preset``."""
+    key, _, value = item.partition("=")
+    key = key.strip()
+    return "algo.preset" if key == "algo" and not value.lstrip().startswith("{") else key
+
+
+def _overlaps(a: str, b: str) -> bool:
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+@dataclass(frozen=True)
+class Run:
+    """One arm x seed: the overrides of its ``sao train`` and where it runs."""
+
+    arm: str
+    seed: int
+    overrides: tuple[str, ...]
+    run_dir: Path
+    log: Path
+
+    @property
+    def label(self) -> str:
+        return f"{self.arm} seed {self.seed}"
+
+
+def plan(
+    exp: Experiment,
+    exp_dir: Path,
+    *,
+    seeds: int,
+    overrides: Sequence[str] = (),
+    arms: Sequence[str] | None = None,
+) -> list[Run]:
+    """The runs of ``exp`` (arms in definition order, each over seeds ``0..seeds-1``),
+    every config validated first. Errors: an unknown arm, a ``--set`` that sets a
+    key one of the arms sets (or a runner key), arms that would not train equal
+    trajectories per step and equal actor steps."""
+    if seeds < 1:
+        raise ConfigError(f"--seeds must be >= 1, got {seeds}")
+    chosen = list(exp.arms) if arms is None else list(arms)
+    for arm in chosen:
+        if arm not in exp.arms:
+            raise ConfigError(
+                f"unknown arm {arm!r} of experiment {exp.name!r}.{_closest(arm, list(exp.arms))}"
+            )
+    for item in overrides:
+        key = _key(item)
+        for reserved in RESERVED:
+            if _overlaps(key, reserved):
+                raise ConfigError(
+                    f"--set {item!r}: the experiment sets {reserved} itself "
+                    "(seeds with --seeds, run directories under --dir)"
+                )
+        for arm, sets in exp.arms.items():
+            for own in sets:
+                if _overlaps(key, _key(own)):
+                    raise ConfigError(
+                        f"--set {item!r} conflicts with arm {arm!r}'s own {own!r}; an override "
+                        "applies to every arm, so it may not set what an arm sets (define a "
+                        "grid with --file instead)"
+                    )
+    sizes: dict[str, tuple[int, int]] = {}
+    for arm in exp.arms:
+        try:
+            cfg = load_config(exp.preset, None, [*exp.base, *overrides, *exp.arms[arm]])
+        except ConfigError as e:
+            raise ConfigError(f"arm {arm!r} of experiment {exp.name!r}: {e}") from None
+        sizes[arm] = (cfg.train.batch_size, cfg.train.steps)
+    if len(set(sizes.values())) > 1:
+        table = ", ".join(f"{a}: {b} x {s}" for a, (b, s) in sizes.items())
+        raise ConfigError(
+            "arms must train equal trajectories per step and equal actor steps "
+            f"(train.batch_size x train.steps: {table})"
+        )
+    root = exp_dir.resolve()
+    return [
+        Run(
+            arm,
+            seed,
+            (*exp.base, *overrides, *exp.arms[arm]),
+            root / "runs" / arm / f"seed-{seed}",
+            root / "logs" / arm / f"seed-{seed}.log",
+        )
+        for arm in chosen
+        for seed in range(seeds)
+    ]
+
+
+def claim_dir(exp: Experiment, exp_dir: Path, overrides: Sequence[str]) -> None:
+    """Record ``exp`` in ``exp_dir/experiment.json``, or check that the directory
+    already holds this experiment with the same definition and overrides."""
+    meta = {"name": exp.name, "definition": exp.to_dict(), "overrides": list(overrides)}
+    path = exp_dir / "experiment.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old.get("name") != exp.name:
+            raise ConfigError(
+                f"{str(exp_dir)!r} holds experiment {old.get('name')!r}, not {exp.name!r}; "
+                "pick another --dir"
+            )
+        if old != meta:
+            what = [k for k in ("definition", "overrides") if old.get(k) != meta[k]]
+            raise ConfigError(
+                f"{str(exp_dir)!r} holds experiment {exp.name!r} run with another "
+                f"{' and '.join(what)} (overrides there: {old.get('overrides')}); its runs "
+                "would not be comparable: pick another --dir"
+            )
+        return
+    if exp_dir.exists() and any(exp_dir.iterdir()):
+        raise ConfigError(
+            f"{str(exp_dir)!r} is not empty and holds no experiment.json; pick another --dir"
+        )
+    exp_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def load_meta(exp_dir: Path) -> dict[str, object]:
+    """``exp_dir/experiment.json``; a clear error when ``exp_dir`` holds no experiment."""
+    path = exp_dir / "experiment.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{str(exp_dir)!r} holds no experiment.json, so it is not an experiment directory "
+            "(pass the --dir of an earlier `sao experiment`)"
+        )
+    meta: dict[str, object] = json.loads(path.read_text())
+    return meta
+
+
+# ---------------------------------------------------------------------- running
+
+Status = Literal["done", "resume", "fresh"]
+
+
+def status(run: Run) -> Status:
+    """``done`` (summary.json exists), ``resume`` (a complete checkpoint) or ``fresh``."""
+    if (run.run_dir / "summary.json").is_file():
+        return "done"
+    from sao.runtime.checkpoint import latest_checkpoint
+
+    return "resume" if latest_checkpoint(run.run_dir / "checkpoints") else "fresh"
+
+
+def command(exp: Experiment, run: Run, how: Status) -> list[str]:
+    """The ``sao train`` command line of ``run``."""
+    train = [sys.executable, "-m", "sao.cli", "train"]
+    if how == "resume":
+        return [*train, "--resume", str(run.run_dir), "--set", "log.live=false"]
+    sets = [*run.overrides, f"seed={run.seed}", f"log.run_dir={run.run_dir}", "log.live=false"]
+    return [*train, "--preset", exp.preset, *(x for s in sets for x in ("--set", s))]
+
+
+_WARM = (
+    "import sys; from sao.config import load_config; from sao.runtime.run import policy_path; "
+    "policy_path(load_config(sys.argv[1], None, sys.argv[2:]))"
+)
+
+
+def warm_start_commands(exp: Experiment, runs: Sequence[Run]) -> list[list[str]]:
+    """One command per distinct tiny warm-started policy the runs need and the
+    cache lacks (each seed builds its own), so that concurrent runs never build
+    the same one twice."""
+    needed: dict[Path, list[str]] = {}
+    for run in runs:
+        sets = [*run.overrides, f"seed={run.seed}"]
+        cfg = load_config(exp.preset, None, sets)
+        if cfg.model.path is not None:
+            continue
+        from sao.runtime.warmstart import policy_dir
+
+        options = {"seed": cfg.seed, **cfg.task.options}
+        path = policy_dir(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
+        if not path.is_dir():
+            needed.setdefault(path, [sys.executable, "-c", _WARM, exp.preset, *sets])
+    return list(needed.values())
+
+
+@dataclass(frozen=True)
+class _Job:
+    label: str
+    cmd: list[str]
+    log: Path
+    done: Callable[[int, float], str] | None = None
+    """Called with the exit status and seconds; returns a note for the progress line."""
+
+    def finish(self, rc: int, seconds: float) -> str:
+        return self.done(rc, seconds) if self.done is not None else ""
+
+
+def _pool(jobs: Sequence[_Job], n: int, echo: Callable[[str], None]) -> list[str]:
+    """Run ``jobs``, ``n`` at a time; returns the labels of those that failed. On an
+    interrupt the running ones get SIGINT (they checkpoint and stop), then SIGKILL
+    after 60 s."""
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
+    todo = list(jobs)
+    running: list[tuple[_Job, subprocess.Popen[bytes], float]] = []
+    failed: list[str] = []
+    try:
+        while todo or running:
+            while todo and len(running) < n:
+                job = todo.pop(0)
+                job.log.parent.mkdir(parents=True, exist_ok=True)
+                out = job.log.open("a")
+                proc = subprocess.Popen(job.cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+                out.close()
+                running.append((job, proc, time.perf_counter()))
+            time.sleep(0.2)
+            for item in list(running):
+                job, proc, t0 = item
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                running.remove(item)
+                seconds = time.perf_counter() - t0
+                note = job.finish(rc, seconds)
+                verdict = "done" if rc == 0 else f"FAILED (exit {rc}, log {job.log})"
+                echo(f"{job.label}: {verdict} in {seconds / 60:.1f} min{note}")
+                if rc != 0:
+                    failed.append(job.label)
+    except BaseException:
+        for _, proc, _ in running:
+            proc.send_signal(signal.SIGINT)  # `sao train` stops as on Ctrl-C
+        for job, proc, t0 in running:
+            try:
+                rc = proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                rc = proc.wait()
+            job.finish(rc, time.perf_counter() - t0)
+        raise
+    return failed
+
+
+def _attempt_recorder(run: Run, how: Status) -> Callable[[int, float], str]:
+    """Appends the attempt to ``RUN_DIR/experiment_attempts.jsonl`` (the report's
+    wall time sums them) and returns the run's held-out success for the log line."""
+
+    def done(rc: int, seconds: float) -> str:
+        if not run.run_dir.is_dir():
+            return ""
+        with (run.run_dir / "experiment_attempts.jsonl").open("a") as f:
+            f.write(json.dumps({"how": how, "rc": rc, "wall_s": round(seconds, 1)}) + "\n")
+        summary = run.run_dir / "summary.json"
+        if rc != 0 or not summary.is_file():
+            return ""
+        s = json.loads(summary.read_text())
+        return f", held-out success {s['eval/success_first']:.3f} -> {s['eval/success_last']:.3f}"
+
+    return done
+
+
+def run_experiment(
+    exp: Experiment,
+    exp_dir: Path,
+    *,
+    seeds: int = 3,
+    jobs: int = 1,
+    overrides: Sequence[str] = (),
+    arms: Sequence[str] | None = None,
+    echo: Callable[[str], None] = print,
+) -> list[str]:
+    """Run (or resume) every run of ``exp`` in ``exp_dir``, ``jobs`` at a time,
+    then write the report; returns the labels of runs that failed."""
+    if jobs < 1:
+        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
+    runs = plan(exp, exp_dir, seeds=seeds, overrides=overrides, arms=arms)
+    claim_dir(exp, exp_dir, overrides)
+    todo = [(run, how) for run in runs if (how := status(run)) != "done"]
+    warm = warm_start_commands(exp, [run for run, _ in todo])
+    if warm:
+        echo(f"building {len(warm)} warm-started policies first (once; then cached)")
+        logs = exp_dir.resolve() / "logs"
+        bad = _pool(
+            [_Job(f"warm start {i}", c, logs / f"warm-start-{i}.log") for i, c in enumerate(warm)],
+            jobs,
+            echo,
+        )
+        if bad:
+            raise RuntimeError(f"building warm-started policies failed; see {logs}/warm-start-*")
+    pending: list[_Job] = []
+    for run, how in todo:
+        if how == "fresh" and run.run_dir.exists():
+            shutil.rmtree(run.run_dir)  # an attempt that stopped before its first checkpoint
+        label = f"{run.label} ({'resumed' if how == 'resume' else 'started'})"
+        pending.append(_Job(label, command(exp, run, how), run.log, _attempt_recorder(run, how)))
+    kept = len(runs) - len(pending)
+    echo(
+        f"experiment {exp.name}: {len(runs)} runs, {kept} already finished, "
+        f"{len(pending)} to run, {jobs} at a time, in {exp_dir}"
+    )
+    failed = _pool(pending, jobs, echo)
+    from sao.runtime.report import write_report
+
+    written = write_report(exp_dir)
+    echo(f"report: {', '.join(str(p) for p in written[:2])} and {len(written) - 2} plots")
+    return failed
+
+
+def describe(exp: Experiment) -> str:
+    """A few lines for ``sao experiment --list``."""
+    arms = ", ".join(f"{a} [{' '.join(s)}]" for a, s in exp.arms.items())
+    lines = [
+        f"{exp.name}  (preset {exp.preset}; {' '.join(exp.base)})",
+        f"  arms: {arms}",
+        f"  cost: {exp.cost}",
+        f"  claim: {exp.claim}",
+    ]
+    return "\n".join(lines)
