@@ -180,6 +180,36 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _experiment(args: argparse.Namespace) -> int:
+    from sao.runtime import experiment as ex
+
+    if args.list:
+        print("\n\n".join(ex.describe(e) for e in ex.EXPERIMENTS.values()))
+        return 0
+    if args.report:
+        from sao.runtime.report import write_report
+
+        ex.load_meta(Path(args.report))
+        for path in write_report(Path(args.report)):
+            print(path)
+        return 0
+    if bool(args.name) == bool(args.file):
+        raise ConfigError("give an experiment name or --file GRID.toml (see --list)")
+    exp = ex.load_grid(args.file) if args.file else ex.get_experiment(args.name)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
+    failed = ex.run_experiment(
+        exp,
+        Path(args.dir or f"experiments/{exp.name}"),
+        seeds=args.seeds,
+        jobs=args.jobs,
+        overrides=args.set,
+        arms=arms,
+    )
+    if failed:
+        print(f"sao: {len(failed)} runs failed: {'; '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
+
+
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", choices=sorted(PRESETS), help="starting point (default calc-tiny)")
     p.add_argument("--config", help="TOML or YAML config file")
@@ -234,6 +264,19 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", choices=sorted(PRESETS))
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     m.set_defaults(func=_models_make)
+    p = sub.add_parser("experiment", help="run a named grid of arms x seeds and report it")
+    p.add_argument("name", nargs="?", help="a named experiment (see --list)")
+    p.add_argument("--file", metavar="GRID.toml", help="a custom grid instead of a name")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every arm")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each a subprocess)")
+    p.add_argument("--arms", help="comma-separated subset of the arms to run")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override every arm"
+    )
+    p.add_argument("--dir", help="results directory (default experiments/NAME)")
+    p.add_argument("--report", metavar="DIR", help="rebuild the report of DIR from its runs")
+    p.add_argument("--list", action="store_true", help="list the named experiments")
+    p.set_defaults(func=_experiment)
     p = sub.add_parser("config", help="print the resolved config, or the reference")
     _add_config_args(p)
     p.add_argument("--reference", action="store_true", help="print docs/configuration.md")

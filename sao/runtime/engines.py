@@ -51,10 +51,12 @@ def _server_python(cfg: Config) -> str | None:
     return str(cached) if r.engine == "vllm" and cached.is_file() else None
 
 
-def context_window(policy: PreTrainedModel) -> int:
-    """The context window engines are built with (as the embedded engine's default)."""
+def context_window(policy: PreTrainedModel, max_total_tokens: int) -> int:
+    """The context window engines are built with: an episode's token budget
+    (``rollout.max_total_tokens``; the KV cache is sized by it), within the
+    model's positions (capped at 4096 unless the budget asks for more)."""
     n = int(getattr(policy.config, "max_position_embeddings", 0) or DEFAULT_MAX_SEQ_LEN_CAP)
-    return min(n, DEFAULT_MAX_SEQ_LEN_CAP)
+    return max(2, min(n, max_total_tokens))
 
 
 def make_publish(
@@ -98,6 +100,7 @@ async def open_rollout_engine(
         engine = TorchEngine(
             copy.deepcopy(policy),
             max_batch_size=r.max_batch_size,
+            max_seq_len=context_window(policy, r.max_total_tokens),
             tokenizer=tokenizer,
             version=version,
             device=device,
@@ -119,7 +122,7 @@ async def open_rollout_engine(
                     log_dir=run_dir / "servers",
                     timeout_s=r.server_timeout_s,
                     python=_server_python(cfg),
-                    max_seq_len=context_window(policy),
+                    max_seq_len=context_window(policy, r.max_total_tokens),
                     max_batch_size=r.max_batch_size,
                     dtype=_dtype_name(policy),
                     device=device.type,
