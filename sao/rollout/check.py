@@ -29,7 +29,7 @@ from sao.types import Env, SamplingParams, Trajectory, collate
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["LogprobReport", "check_logprobs", "compare_logprobs"]
+__all__ = ["LogprobReport", "check_logprobs", "compare_logprobs", "score_trajectories"]
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def compare_logprobs(
 
 
 def _diagnose(
-    engine: Engine,
+    engine: Engine | None,
     model: PreTrainedModel,
     sampling: SamplingParams,
     trajectories: Sequence[Trajectory],
@@ -141,7 +141,7 @@ def _diagnose(
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     if dtypes != ["torch.float32"]:
         notes.append(f"trainer model dtype {'/'.join(dtypes)}: a 1e-4 budget needs float32")
-    engine_dtype = getattr(engine, "dtype", None)
+    engine_dtype = getattr(engine, "dtype", None)  # (None when the engine is remote)
     if isinstance(engine_dtype, torch.dtype) and [str(engine_dtype)] != dtypes:
         notes.append(f"engine dtype {engine_dtype} differs from trainer dtype {'/'.join(dtypes)}")
     if model.training:
@@ -150,10 +150,11 @@ def _diagnose(
         {v for t in trajectories for v, m in zip(t.versions, t.action_mask, strict=True) if m}
     )
     stale = any(v != model_version for v in seen)
-    if model_version is not None and (engine.version != model_version or stale):
+    engine_version = model_version if engine is None else engine.version
+    if model_version is not None and (engine_version != model_version or stale):
         notes.append(
             f"weight version mismatch: trainer model is version {model_version}, engine is "
-            f"version {engine.version}, action tokens were sampled by versions {seen}"
+            f"version {engine_version}, action tokens were sampled by versions {seen}"
         )
     elif len(seen) > 1:
         notes.append(f"weights changed during the check: action tokens carry versions {seen}")
@@ -193,6 +194,23 @@ async def check_logprobs(
             for i, env in enumerate(envs)
         )
     )
+    return score_trajectories(
+        model, tokenizer, trajectories, sampling, engine=engine, model_version=model_version
+    )
+
+
+def score_trajectories(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    trajectories: Sequence[Trajectory],
+    sampling: SamplingParams,
+    *,
+    engine: Engine | None = None,
+    model_version: int | None = None,
+) -> LogprobReport:
+    """Compare the engine's log-probabilities recorded in ``trajectories``
+    with ``model``'s forward pass (wherever the episodes ran); ``engine``, when
+    at hand, adds what it knows to the notes."""
     notes = _diagnose(engine, model, sampling, trajectories, model_version)
     scored = [t for t in trajectories if t.num_action_tokens > 0]
     if not scored:

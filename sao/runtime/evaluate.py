@@ -5,11 +5,7 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from transformers import PreTrainedTokenizerBase
-
-from sao.envs.base import Task
-from sao.rollout.agent import EpisodeLimits, run_episode
-from sao.rollout.engine import Engine
+from sao.runtime.runner import EpisodeRunner
 from sao.types import SamplingParams, Trajectory
 
 GREEDY_TOP_K = 1
@@ -28,25 +24,21 @@ class EvalResult:
 
 
 async def evaluate(
-    task: Task,
-    engine: Engine,
-    tokenizer: PreTrainedTokenizerBase,
+    runner: EpisodeRunner,
     *,
     episodes: int,
     max_new_tokens: int,
-    limits: EpisodeLimits,
     concurrency: int = 64,
 ) -> EvalResult:
     """Run ``episodes`` held-out episodes (indices ``0..episodes-1``) greedily."""
-    n = min(episodes, task.eval_size)
+    n = min(episodes, runner.eval_size)
     sampling = SamplingParams(top_k=GREEDY_TOP_K, max_new_tokens=max_new_tokens)
     sem = asyncio.Semaphore(concurrency)
 
     async def one(i: int) -> Trajectory:
         async with sem:
-            env = task.make_env("eval", i)
-            return await run_episode(
-                env, engine, tokenizer, sampling, limits, seed=i, prompt_id=f"eval/{i}"
+            return await runner.run(
+                "eval", i, seed=i, prompt_id=f"eval/{i}", group_id="", sampling=sampling
             )
 
     trajs = await asyncio.gather(*(one(i) for i in range(n)))

@@ -14,12 +14,8 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
-from transformers import PreTrainedTokenizerBase
-
-from sao.envs.base import StepAware, Task
-from sao.rollout.agent import EpisodeLimits, run_episode
-from sao.rollout.engine import Engine
 from sao.runtime.buffer import TrajectoryBuffer
+from sao.runtime.runner import EpisodeRunner
 from sao.runtime.staleness import StalenessGate
 from sao.types import SamplingParams, Trajectory
 
@@ -54,15 +50,12 @@ class Clock:
 
 
 class Orchestrator:
-    """Rollout workers + trainer loop over one engine and one task."""
+    """Rollout workers (episodes played by ``runner``) + the trainer loop."""
 
     def __init__(
         self,
-        task: Task,
-        engine: Engine,
-        tokenizer: PreTrainedTokenizerBase,
+        runner: EpisodeRunner,
         sampling: SamplingParams,
-        limits: EpisodeLimits,
         *,
         gate: StalenessGate,
         buffer: TrajectoryBuffer,
@@ -71,8 +64,7 @@ class Orchestrator:
         seed: int,
         state: RolloutState | None = None,
     ) -> None:
-        self.task, self.engine, self.tokenizer = task, engine, tokenizer
-        self.sampling, self.limits = sampling, limits
+        self.runner, self.sampling = runner, sampling
         self.gate, self.buffer = gate, buffer
         self.in_flight, self.group_size, self.seed = in_flight, group_size, seed
         self.state = state or RolloutState()
@@ -122,16 +114,13 @@ class Orchestrator:
 
     async def _episode(self, index: int, member: int) -> None:
         try:
-            env = self.task.make_env("train", index)
-            traj = await run_episode(
-                env,
-                self.engine,
-                self.tokenizer,
-                self.sampling,
-                self.limits,
+            traj = await self.runner.run(
+                "train",
+                index,
                 seed=self.seed * 1_000_003 + index * 131 + member,
                 prompt_id=f"train/{index}",
                 group_id=f"train/{index}",
+                sampling=self.sampling,
             )
             self._account(traj)
             self.buffer.add(traj)
@@ -182,8 +171,7 @@ class Orchestrator:
                 if train_actor:
                     self.version += 1
                     metrics["publish/sync_s"] = await publish(self.version)
-                    if isinstance(self.task, StepAware):
-                        self.task.set_train_step(self.version)
+                    self.runner.set_train_step(self.version)
                 self._wake.set()
                 metrics |= self.runtime_metrics(batch, taken_at)
                 if on_step is not None:

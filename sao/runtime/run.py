@@ -26,7 +26,7 @@ from sao.models.freeze import freeze_attention
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
-from sao.rollout.check import check_logprobs
+from sao.rollout.check import score_trajectories
 from sao.rollout.engine import Engine
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.checkpoint import load_state, resume_point, save_checkpoint, set_rng_state
@@ -34,6 +34,7 @@ from sao.runtime.engines import open_rollout_engine
 from sao.runtime.evaluate import evaluate
 from sao.runtime.logging import RunLogger, summarize, write_plots
 from sao.runtime.orchestrator import Orchestrator, RolloutState
+from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
 from sao.runtime.warmstart import ensure_policy
 from sao.train.trainer import OptimSettings, Trainer
@@ -207,7 +208,7 @@ def _restore(
 
 def _pipeline(
     p: Parts,
-    engine: Engine,
+    runner: EpisodeRunner,
     gate: StalenessGate,
     buffer: TrajectoryBuffer,
     restored: tuple[RolloutState, int, int],
@@ -216,11 +217,8 @@ def _pipeline(
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     state, start_step, version = restored
     orch = Orchestrator(
-        p.task,
-        engine,
-        p.tokenizer,
+        runner,
         p.sampling,
-        p.limits,
         gate=gate,
         buffer=buffer,
         in_flight=cfg.rollout.in_flight,
@@ -253,10 +251,11 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
         async with open_rollout_engine(
             cfg, p.policy, p.tokenizer, model_dir, run_dir, restored[2]
         ) as (engine, publish):
-            orch = _pipeline(p, engine, gate, buffer, restored)
+            runner = LocalRunner(p.task, engine, p.tokenizer, p.limits)
+            orch = _pipeline(p, runner, gate, buffer, restored)
             if ckpt is None:
-                await _logprob_gate(p, engine, logger)
-                logger.log(0, {"wall_s": 0.0, **await _eval(p, engine)})
+                await _logprob_gate(p, runner, engine, logger)
+                logger.log(0, {"wall_s": 0.0, **await _eval(p, runner)})
 
             async def step_fn(batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
                 stats = await asyncio.to_thread(p.trainer.step, batch, train_actor=train_actor)
@@ -265,7 +264,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
             async def on_step(step: int, m: dict[str, float]) -> None:
                 m["wall_s"] = orch.clock.elapsed()
                 if step % cfg.eval.every == 0 or step == total:
-                    m |= await _eval(p, engine)
+                    m |= await _eval(p, runner)
                 logger.log(step, m)
                 if step % cfg.log.checkpoint_every == 0 or step == total:
                     # snapshot on the event loop (episodes keep running), write in a thread
@@ -286,24 +285,28 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
     return run_dir
 
 
-async def _logprob_gate(p: Parts, engine: Engine, logger: RunLogger) -> None:
+async def _logprob_gate(
+    p: Parts, runner: EpisodeRunner, engine: Engine | None, logger: RunLogger
+) -> None:
+    """Refuse to train when the engine's log-probabilities and the trainer's
+    differ by more than ``train.logprob_budget`` (on up to 4 held-out episodes)."""
     budget = p.cfg.train.logprob_budget
     if budget <= 0:
         return
-    envs = [p.task.make_env("eval", i) for i in range(4)]
-    report = await check_logprobs(engine, p.policy, p.tokenizer, envs, p.sampling, p.limits)
+    trajs = await asyncio.gather(
+        *(
+            runner.run("eval", i, seed=i, prompt_id=f"check-{i}", group_id="", sampling=p.sampling)
+            for i in range(min(4, runner.eval_size))
+        )
+    )
+    report = score_trajectories(p.policy, p.tokenizer, trajs, p.sampling, engine=engine)
     logger.print(f"log-prob check: max |delta| {report.max_abs_delta:.2e}, k3 {report.k3_kl:.2e}")
     report.check(budget)
 
 
-async def _eval(p: Parts, engine: Engine) -> dict[str, float]:
+async def _eval(p: Parts, runner: EpisodeRunner) -> dict[str, float]:
     r = await evaluate(
-        p.task,
-        engine,
-        p.tokenizer,
-        episodes=p.cfg.eval.episodes,
-        max_new_tokens=p.cfg.rollout.max_new_tokens,
-        limits=p.limits,
+        runner, episodes=p.cfg.eval.episodes, max_new_tokens=p.cfg.rollout.max_new_tokens
     )
     return {"eval/success": r.success, "eval/reward_mean": r.reward_mean}
 

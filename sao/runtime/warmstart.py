@@ -22,6 +22,7 @@ from sao.models.tokenization import build_char_tokenizer
 from sao.rollout.agent import EpisodeLimits
 from sao.rollout.torch_engine import TorchEngine
 from sao.runtime.evaluate import evaluate
+from sao.runtime.runner import LocalRunner
 
 
 @dataclass(frozen=True)
@@ -138,14 +139,8 @@ def held_out_success(
 
     async def go() -> float:
         with TorchEngine(model, max_batch_size=64, tokenizer=tokenizer) as engine:
-            res = await evaluate(
-                task,
-                engine,
-                tokenizer,
-                episodes=episodes,
-                max_new_tokens=max_new_tokens,
-                limits=limits,
-            )
+            runner = LocalRunner(task, engine, tokenizer, limits)
+            res = await evaluate(runner, episodes=episodes, max_new_tokens=max_new_tokens)
         return res.success
 
     return asyncio.run(go())
