@@ -253,6 +253,14 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
         ) as (engine, publish):
             runner = LocalRunner(p.task, engine, p.tokenizer, p.limits)
             orch = _pipeline(p, runner, gate, buffer, restored)
+            n_engines = getattr(engine, "num_alive", 1)
+            kv_kept = (
+                cfg.rollout.engine in ("torch", "http") and not cfg.rollout.recompute_kv_on_update
+            )
+            logger.print(
+                gate.describe(in_flight=cfg.rollout.in_flight, engines=1, kv_kept=kv_kept)
+                + (f"; {n_engines} rollout engines" if n_engines > 1 else "")
+            )
             if ckpt is None:
                 await _logprob_gate(p, runner, engine, logger)
                 logger.log(0, {"wall_s": 0.0, **await _eval(p, runner)})

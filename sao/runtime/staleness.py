@@ -68,3 +68,20 @@ class StalenessGate:
             self.reject()
             return False
         return True
+
+    def describe(self, *, in_flight: int, kv_kept: bool) -> str:
+        """One line: the worst-case policy lag this configuration allows, and
+        every knob that contributes to it (printed at start-up)."""
+        L, B = self.max_lag, self.batch_size
+        kv = (
+            "; tokens sampled after an in-flight update attend to keys computed by earlier "
+            "versions (rollout.recompute_kv_on_update=false)"
+            if kv_kept and L > 0
+            else ""
+        )
+        return (
+            f"worst-case policy lag: {L} version(s) (runtime.max_lag; older trajectories are "
+            f"dropped); up to (max_lag + 1) x batch {B} = {(L + 1) * B} episodes started ahead "
+            f"of the trainer, {min(in_flight, (L + 1) * B)} running at once (rollout.in_flight "
+            f"{in_flight}); 1 actor step per batch{kv}"
+        )

@@ -99,3 +99,14 @@ def test_take_drops_stale_groups_and_waits_for_fresh_ones() -> None:
     got = asyncio.run(scenario())
     assert [t.group_id for t in got] == ["new"]
     assert gate.dropped == 1
+
+
+def test_startup_line_states_the_worst_case_lag() -> None:
+    gate = StalenessGate(max_lag=4, batch_size=32)
+    line = gate.describe(in_flight=32, kv_kept=True)
+    assert line.startswith("worst-case policy lag: 4 version(s)")
+    assert "= 160 episodes started ahead" in line and "32 running at once" in line  # 5 x 32
+    assert "recompute_kv_on_update" in line
+    sync = StalenessGate(max_lag=0, batch_size=8).describe(in_flight=32, kv_kept=True)
+    assert "lag: 0 version(s)" in sync and "= 8 episodes" in sync and "8 running" in sync
+    assert "recompute" not in sync
