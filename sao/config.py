@@ -219,10 +219,21 @@ class TrainConfig(_Section):
 
 
 class RuntimeConfig(_Section):
-    """How far rollouts may run ahead of the trainer."""
+    """How far rollouts may run ahead of the trainer, and where things run."""
 
     max_lag: NonNegativeInt = 4
     """Staleness bound in versions; 0 = synchronous training."""
+    backend: Literal["local", "ray"] = "local"
+    """``local``: everything in this process. ``ray``: rollout workers are Ray actors
+    (needs `pip install 'sao[ray]'`); the orchestrator stays in this process."""
+    ray_address: str | None = None
+    """Ray cluster to join (e.g. ``ray://head:10001`` or ``auto``); None starts a local one."""
+    rollout_workers: PositiveInt = 2
+    """Ray rollout-worker actors, each with its own engine (backend=ray)."""
+    cpus_per_worker: NonNegativeFloat = 0.5
+    """CPUs reserved per rollout worker in the placement group (backend=ray)."""
+    gpus_per_worker: NonNegativeFloat = 0.0
+    """GPUs reserved per rollout worker (backend=ray; an embedded engine then runs on it)."""
 
 
 class EvalConfig(_Section):

@@ -206,7 +206,7 @@ class Orchestrator:
             "idle/trainer_frac": self.clock.trainer_idle_s / wall,
             "idle/rollout_frac": self.clock.rollout_idle_s / wall,
             "version": float(self.version),
-        }
+        } | self.runner.metrics()
 
     async def cancel_episodes(self) -> None:
         """Cancel every running episode (their prompts are restarted on resume)."""

@@ -4,10 +4,12 @@ the asynchronous orchestrator from a :class:`~sao.config.Config`."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import shutil
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from sao.rollout.check import score_trajectories
 from sao.rollout.engine import Engine
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.checkpoint import load_state, resume_point, save_checkpoint, set_rng_state
-from sao.runtime.engines import open_rollout_engine
+from sao.runtime.engines import Publish, open_rollout_engine
 from sao.runtime.evaluate import evaluate
 from sao.runtime.logging import RunLogger, summarize, write_plots
 from sao.runtime.orchestrator import Orchestrator, RolloutState
@@ -73,6 +75,17 @@ def build_task(cfg: Config) -> Task:
             seed=cfg.seed,
         )
     return task
+
+
+def build_limits(cfg: Config) -> EpisodeLimits:
+    """The agent loop's per-episode limits from ``cfg.rollout``."""
+    r = cfg.rollout
+    return EpisodeLimits(
+        max_turns=r.max_turns,
+        max_total_tokens=r.max_total_tokens,
+        step_timeout_s=r.step_timeout_s,
+        reset_timeout_s=r.step_timeout_s,
+    )
 
 
 def policy_path(cfg: Config) -> Path:
@@ -120,12 +133,7 @@ def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = 
         top_k=r.top_k,
         max_new_tokens=r.max_new_tokens,
     )
-    limits = EpisodeLimits(
-        max_turns=r.max_turns,
-        max_total_tokens=r.max_total_tokens,
-        step_timeout_s=r.step_timeout_s,
-        reset_timeout_s=r.step_timeout_s,
-    )
+    limits = build_limits(cfg)
     t = cfg.train
     settings = OptimSettings(
         actor_lr=t.actor_lr,
@@ -180,7 +188,7 @@ def train(cfg: Config, *, task: Task | None = None, resume: Path | None = None) 
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return asyncio.run(_run(parts, run_dir, ckpt))
+    return asyncio.run(_run(parts, run_dir, ckpt, task))
 
 
 def _seed(seed: int) -> None:
@@ -230,7 +238,8 @@ def _pipeline(
     return orch
 
 
-async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
+async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) -> Path:
+    """The run loop; ``task`` is the caller's own task (None: the built-in one)."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
     gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
@@ -247,20 +256,11 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
         config=to_dict(cfg),
     )
     try:
-        model_dir = policy_path(cfg)
-        async with open_rollout_engine(
-            cfg, p.policy, p.tokenizer, model_dir, run_dir, restored[2]
-        ) as (engine, publish):
-            runner = LocalRunner(p.task, engine, p.tokenizer, p.limits)
+        async with _rollout(p, run_dir, restored[2], task) as (runner, publish, engine):
             orch = _pipeline(p, runner, gate, buffer, restored)
-            n_engines = getattr(engine, "num_alive", 1)
-            kv_kept = (
-                cfg.rollout.engine in ("torch", "http") and not cfg.rollout.recompute_kv_on_update
-            )
-            logger.print(
-                gate.describe(in_flight=cfg.rollout.in_flight, engines=1, kv_kept=kv_kept)
-                + (f"; {n_engines} rollout engines" if n_engines > 1 else "")
-            )
+            kv_kept = cfg.rollout.engine in ("torch", "http")
+            kv_kept = kv_kept and not cfg.rollout.recompute_kv_on_update
+            logger.print(gate.describe(in_flight=cfg.rollout.in_flight, kv_kept=kv_kept))
             if ckpt is None:
                 await _logprob_gate(p, runner, engine, logger)
                 logger.log(0, {"wall_s": 0.0, **await _eval(p, runner)})
@@ -291,6 +291,29 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None) -> Path:
         logger.close()
     _finish(p, run_dir, logger.history)
     return run_dir
+
+
+@contextlib.asynccontextmanager
+async def _rollout(
+    p: Parts, run_dir: Path, version: int, task: Task | None
+) -> AsyncIterator[tuple[EpisodeRunner, Publish, Engine | None]]:
+    """Where episodes run (``runtime.backend``) and how weights reach them."""
+    cfg = p.cfg
+    model_dir = policy_path(cfg)
+    if cfg.runtime.backend == "ray":
+        from sao.runtime.ray_backend import open_ray_rollout
+
+        async with open_ray_rollout(cfg, p.policy, model_dir, run_dir, version, task) as (
+            ray_runner,
+            publish,
+        ):
+            yield ray_runner, publish, None
+        return
+    async with open_rollout_engine(cfg, p.policy, p.tokenizer, model_dir, run_dir, version) as (
+        engine,
+        publish,
+    ):
+        yield LocalRunner(p.task, engine, p.tokenizer, p.limits), publish, engine
 
 
 async def _logprob_gate(

@@ -44,6 +44,10 @@ class EpisodeRunner(Protocol):
         """Tell step-aware tasks (e.g. the online style-shift schedule) the step."""
         ...
 
+    def metrics(self) -> dict[str, float]:
+        """Counters of the rollout side (e.g. ``workers/replaced``)."""
+        ...
+
 
 @dataclass
 class LocalRunner:
@@ -83,3 +87,6 @@ class LocalRunner:
     def set_train_step(self, step: int) -> None:
         if isinstance(self.task, StepAware):
             self.task.set_train_step(step)
+
+    def metrics(self) -> dict[str, float]:
+        return {}

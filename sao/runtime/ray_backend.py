@@ -1,0 +1,366 @@
+"""The Ray backend (``runtime.backend = "ray"``): rollout workers are Ray
+actors that own their engines and run the environments where the episode
+runs; the orchestrator (gate, buffer, asyncio loop) stays in the driver.
+
+```
+ driver: Orchestrator ── RayRunner.run(split, index) ──► RolloutWorker i (Ray actor)
+            │                                             task.make_env + run_episode
+            │  publish(v): weights once into the           on its own engine (embedded,
+            └─ object store (or a weight directory) ──►   or its share of the servers)
+```
+
+- Placement: one placement group, a bundle of ``runtime.cpus_per_worker``
+  CPUs (and ``runtime.gpus_per_worker`` GPUs) per worker; the cluster is
+  checked first and a shortfall is an error that says what is missing.
+  ``runtime.ray_address`` joins an existing cluster; otherwise a local one is
+  started with this machine's CPUs.
+- Weights: every worker with an embedded engine gets the same object-store
+  reference (one copy, however many workers); workers that drive servers get
+  the weight directory the driver wrote (each server is driven by exactly one
+  worker: servers are dealt round-robin).
+- Failure: a worker that dies is replaced in its bundle, given the current
+  weights, and the episodes it was running are played again from the start
+  on a live worker; the run goes on (``workers/replaced`` counts them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sao.config import Config, ConfigError, to_dict, validate
+from sao.envs.base import Split, Task
+from sao.types import SamplingParams, Trajectory
+
+logger = logging.getLogger(__name__)
+Publish = Callable[[int], Awaitable[float]]
+
+__all__ = ["RayRunner", "RolloutWorker", "init_ray", "start_workers"]
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError(
+            "runtime.backend=ray needs Ray: pip install 'sao[ray]' (or pip install 'ray[default]')"
+        ) from None
+    return ray
+
+
+def init_ray(cfg: Config) -> Any:
+    """Join ``runtime.ray_address``, or start a local cluster; returns the module."""
+    ray = _ray()
+    if ray.is_initialized():
+        return ray
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    path = os.pathsep.join(p for p in [os.getcwd(), *sys.path] if p and os.path.isdir(p))
+    runtime_env = {"env_vars": {"PYTHONPATH": path, "RAY_AUTH_MODE": "disabled"}}
+    address = cfg.runtime.ray_address
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    if address is None:
+        kwargs["num_cpus"] = os.cpu_count() or 1
+    ray.init(address=address, runtime_env=runtime_env, **kwargs)
+    return ray
+
+
+def check_resources(ray: Any, need: Mapping[str, float], what: str) -> None:
+    """Raise ConfigError naming what the cluster lacks for ``need``."""
+    have = ray.cluster_resources()
+    missing = [
+        f"{k}: asks for {v:g}, the cluster has {have.get(k, 0):g}"
+        for k, v in need.items()
+        if v > have.get(k, 0) + 1e-9
+    ]
+    if missing:
+        raise ConfigError(
+            f"the Ray cluster is too small for {what} ({'; '.join(missing)}); lower the "
+            "runtime.* counts or per-actor resources, or add nodes"
+        )
+
+
+class RolloutWorker:
+    """A rollout worker (made a Ray actor by :func:`start_workers`): one task,
+    one engine (embedded, or a router over its share of the servers)."""
+
+    def __init__(
+        self,
+        cfg_dict: dict[str, Any],
+        model_dir: str,
+        task: Task | None,
+        servers: Sequence[str],
+        version: int,
+    ) -> None:
+        self.cfg = validate(cfg_dict)
+        self.model_dir, self.task_obj, self.servers = model_dir, task, list(servers)
+        self.version = version
+        self.runner: Any = None
+        self.engine: Any = None
+
+    async def start(self) -> int:
+        """Build the task, tokenizer and engine (on the worker's event loop)."""
+        from sao.models.loading import load_policy, load_tokenizer
+        from sao.rollout.http_engine import ModelIdentity, SGLangEngine, VLLMEngine
+        from sao.rollout.router import EngineRouter
+        from sao.rollout.torch_engine import TorchEngine
+        from sao.runtime.engines import context_window
+        from sao.runtime.run import build_limits, build_task
+        from sao.runtime.runner import LocalRunner
+
+        cfg, r = self.cfg, self.cfg.rollout
+        task = self.task_obj if self.task_obj is not None else build_task(cfg)
+        tokenizer = load_tokenizer(self.model_dir)
+        policy = load_policy(self.model_dir)
+        if r.engine == "torch":
+            self.engine = TorchEngine(
+                policy,
+                max_batch_size=r.max_batch_size,
+                max_seq_len=context_window(policy, r.max_total_tokens),
+                tokenizer=tokenizer,
+                version=self.version,
+                device="cuda" if torch.cuda.is_available() else "cpu",
+                recompute_kv_on_update=r.recompute_kv_on_update,
+            )
+        else:
+            cls = SGLangEngine if r.engine == "sglang" else VLLMEngine
+            clients = [
+                cls(u, version=self.version, request_timeout_s=r.request_timeout_s)
+                for u in self.servers
+            ]
+            identity = ModelIdentity.from_config(self.model_dir, policy.config)
+            await asyncio.gather(*(c.connect(identity, r.server_timeout_s) for c in clients))
+            self.engine = EngineRouter(clients, names=self.servers)
+        self.runner = LocalRunner(task, self.engine, tokenizer, build_limits(cfg))
+        return os.getpid()
+
+    async def run(
+        self,
+        split: Split,
+        index: int,
+        seed: int,
+        prompt_id: str,
+        group_id: str,
+        sampling: SamplingParams,
+    ) -> Trajectory:
+        return await self.runner.run(
+            split, index, seed=seed, prompt_id=prompt_id, group_id=group_id, sampling=sampling
+        )
+
+    async def update_weights(self, weights: Any, version: int) -> float:
+        """Apply a state dict (resolved from the object store) or a weight
+        directory path; returns the seconds it took here."""
+        from sao.rollout.weights import DiskWeights, TensorWeights
+
+        t0 = time.perf_counter()
+        if isinstance(weights, str):
+            await self.engine.update_weights(DiskWeights(Path(weights), version))
+        else:
+            await self.engine.update_weights(TensorWeights(weights, version))
+        self.version = version
+        return time.perf_counter() - t0
+
+    def set_train_step(self, step: int) -> None:
+        self.runner.set_train_step(step)
+
+    def eval_size(self) -> int:
+        return int(self.runner.eval_size)
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    async def close(self) -> None:
+        if self.engine is not None:
+            await self.engine.aclose()
+
+
+@dataclass
+class _Slot:
+    actor: Any
+    bundle: int
+    servers: list[str]
+    outstanding: int = 0
+
+
+@dataclass
+class RayRunner:
+    """The driver's :class:`~sao.runtime.runner.EpisodeRunner` over rollout workers."""
+
+    ray: Any
+    slots: list[_Slot]
+    make_actor: Any  # (bundle, servers, version) -> actor handle
+    eval_size: int
+    version: int = 0
+    weights: Any = None  # the last published weights (object ref or directory)
+    train_step: int | None = None
+    replaced: int = 0
+    _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    async def run(
+        self,
+        split: Split,
+        index: int,
+        *,
+        seed: int,
+        prompt_id: str,
+        group_id: str,
+        sampling: SamplingParams,
+    ) -> Trajectory:
+        while True:
+            slot = min(self.slots, key=lambda s: s.outstanding)
+            slot.outstanding += 1
+            actor = slot.actor
+            try:
+                return await actor.run.remote(split, index, seed, prompt_id, group_id, sampling)
+            except self.ray.exceptions.RayActorError as err:
+                await self._replace(slot, actor, err)
+            finally:
+                slot.outstanding -= 1
+
+    async def _replace(self, slot: _Slot, dead: Any, err: BaseException) -> None:
+        """Start a new worker in the dead one's bundle, with the current weights."""
+        async with self._lock:
+            if slot.actor is not dead:  # another episode already replaced it
+                return
+            logger.warning("rollout worker %d died (%s); starting a new one", slot.bundle, err)
+            actor = self.make_actor(slot.bundle, slot.servers, self.version)
+            await actor.start.remote()
+            if self.weights is not None:
+                await actor.update_weights.remote(self.weights, self.version)
+            if self.train_step is not None:
+                await actor.set_train_step.remote(self.train_step)
+            slot.actor = actor
+            self.replaced += 1
+
+    async def publish(self, weights: Any, version: int) -> None:
+        """Send ``weights`` (a state dict, put once in the object store, or a
+        weight directory path) to every worker as ``version``."""
+        ref = weights if isinstance(weights, str) else self.ray.put(weights)
+        self.weights, self.version = ref, version
+        calls = [s.actor.update_weights.remote(ref, version) for s in self.slots]
+        results = await asyncio.gather(*calls, return_exceptions=True)
+        for slot, result in zip(self.slots, results, strict=True):
+            if isinstance(result, self.ray.exceptions.RayActorError):
+                await self._replace(slot, slot.actor, result)
+            elif isinstance(result, BaseException):
+                raise result
+
+    def metrics(self) -> dict[str, float]:
+        return {"workers/replaced": float(self.replaced), "workers/count": float(len(self.slots))}
+
+    def set_train_step(self, step: int) -> None:
+        self.train_step = step
+        for s in self.slots:
+            s.actor.set_train_step.remote(step)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(s.actor.close.remote() for s in self.slots), return_exceptions=True)
+        for s in self.slots:
+            self.ray.kill(s.actor)
+
+
+async def start_workers(
+    cfg: Config,
+    model_dir: str,
+    task: Task | None,
+    servers: Sequence[str],
+    version: int,
+) -> RayRunner:
+    """Place and start ``runtime.rollout_workers`` workers; returns the runner."""
+    ray = init_ray(cfg)
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    rt = cfg.runtime
+    n = rt.rollout_workers
+    bundle = {"CPU": rt.cpus_per_worker} | (
+        {"GPU": rt.gpus_per_worker} if rt.gpus_per_worker else {}
+    )
+    check_resources(ray, {k: v * n for k, v in bundle.items()}, f"{n} rollout workers")
+    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
+    await pg.ready()
+    remote_cls = ray.remote(RolloutWorker)
+    cfg_dict = to_dict(cfg)
+
+    def make_actor(i: int, share: list[str], v: int) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
+        opts = {"num_cpus": rt.cpus_per_worker, "num_gpus": rt.gpus_per_worker}
+        return remote_cls.options(scheduling_strategy=strategy, **opts).remote(
+            cfg_dict, model_dir, task, share, v
+        )
+
+    shares = [list(servers[i::n]) for i in range(n)]
+    if servers and any(not s for s in shares):
+        raise ConfigError(
+            f"{n} rollout workers but {len(servers)} servers: each worker drives its own "
+            "servers, so give at least as many servers as runtime.rollout_workers"
+        )
+    slots = [_Slot(make_actor(i, shares[i], version), i, shares[i]) for i in range(n)]
+    await asyncio.gather(*(s.actor.start.remote() for s in slots))
+    eval_size = await slots[0].actor.eval_size.remote()
+    return RayRunner(ray, slots, make_actor, int(eval_size), version=version)
+
+
+@contextlib.asynccontextmanager
+async def open_ray_rollout(
+    cfg: Config,
+    policy: torch.nn.Module,
+    model_dir: Path,
+    run_dir: Path,
+    version: int,
+    task: Task | None,
+) -> AsyncIterator[tuple[RayRunner, Publish]]:
+    """Rollout workers (and any servers they drive) for a run, and the
+    function that publishes the trainer's weights to them; torn down on exit."""
+    from sao.rollout.launch import launch_servers
+    from sao.rollout.weights import write_weights
+    from sao.runtime.engines import context_window
+
+    r = cfg.rollout
+    weights_dir = Path(r.weights_dir) if r.weights_dir else run_dir / "weights"
+    async with contextlib.AsyncExitStack() as stack:
+        urls = list(r.servers)
+        if r.launch:
+            servers = await stack.enter_async_context(
+                launch_servers(
+                    r.engine,
+                    str(model_dir),
+                    r.launch,
+                    log_dir=run_dir / "servers",
+                    timeout_s=r.server_timeout_s,
+                    python=r.server_python,
+                    max_seq_len=context_window(policy, r.max_total_tokens),  # type: ignore[arg-type]
+                    max_batch_size=r.max_batch_size,
+                    dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),
+                    device="cpu",
+                    extra=r.server_args,
+                )
+            )
+            urls = [s.url for s in servers]
+        runner = await start_workers(cfg, str(model_dir), task, urls, version)
+        stack.push_async_callback(runner.close)
+
+        async def publish(v: int) -> float:
+            t0 = time.perf_counter()
+            state = policy.state_dict()
+            if r.engine == "torch":
+                weights: Any = {k: t.detach().cpu() for k, t in state.items()}
+            else:
+                src = await asyncio.to_thread(
+                    write_weights, state, weights_dir, v, config=getattr(policy, "config", None)
+                )
+                weights = str(src.path)
+            await runner.publish(weights, v)
+            return time.perf_counter() - t0
+
+        await publish(version)  # workers sample with the trainer's weights from here on
+        yield runner, publish

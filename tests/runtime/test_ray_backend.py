@@ -1,0 +1,81 @@
+"""The Ray backend: rollout workers as Ray actors on a local cluster learn like
+the local backend, and a worker killed mid-run is replaced."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("ray")
+
+from tests.train.test_learning import _reward_gain, run
+
+
+@pytest.fixture(autouse=True)
+def _shutdown_ray():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def _worker_pids() -> list[int]:
+    out = subprocess.run(["pgrep", "-f", "ray::RolloutWorker"], capture_output=True, text=True)
+    return [int(x) for x in out.stdout.split()]
+
+
+def _kill_one_worker_after(metrics: Path, step: int) -> threading.Thread:
+    def watch() -> None:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            if metrics.is_file():
+                steps = [json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()]
+                if steps and max(steps) >= step and _worker_pids():
+                    os.kill(_worker_pids()[0], signal.SIGKILL)
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.slow
+def test_ray_rollout_workers_learn_and_survive_a_dead_worker(
+    tmp_path: Path, tiny_policy: Path
+) -> None:
+    watcher = _kill_one_worker_after(tmp_path / "run" / "metrics.jsonl", 4)
+    history = run(
+        tmp_path,
+        tiny_policy,
+        "algo=sao",
+        "algo.critic_pretrain_steps=2",
+        "runtime.backend=ray",
+        "runtime.rollout_workers=2",
+    )
+    watcher.join()
+    first, last = _reward_gain(history)
+    assert last > first + 0.2, (first, last)
+    assert max(r["step"] for r in history) == 18  # 2 warm-up + 16 actor steps
+    assert history[-1]["workers/replaced"] >= 1
+    assert [r["version"] for r in history if "version" in r][-1] == 16
+
+
+def test_too_small_a_cluster_says_what_is_missing(tmp_path: Path, tiny_policy: Path) -> None:
+    from sao.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"CPU: asks for 8, the cluster has \d"):
+        run(
+            tmp_path,
+            tiny_policy,
+            "runtime.backend=ray",
+            "runtime.rollout_workers=8",
+            "runtime.cpus_per_worker=1",
+        )
