@@ -166,7 +166,9 @@ class Orchestrator:
                 self.clock.trainer_idle_s += time.perf_counter() - t0
                 train_actor = self.consumed >= warmup_steps
                 taken_at = self.version
+                t1 = time.perf_counter()
                 metrics = await step_fn(batch, train_actor)
+                metrics["time/train_step_s"] = time.perf_counter() - t1
                 self.consumed += 1
                 if train_actor:
                     self.version += 1
