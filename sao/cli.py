@@ -197,7 +197,9 @@ def _experiment(args: argparse.Namespace) -> int:
         raise ConfigError("give an experiment name or --file GRID.toml (see --list)")
     exp = ex.load_grid(args.file) if args.file else ex.get_experiment(args.name)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-    failed = ex.run_experiment(
+    from sao.runtime.experiment_run import run_experiment
+
+    failed = run_experiment(
         exp,
         Path(args.dir or f"experiments/{exp.name}"),
         seeds=args.seeds,

@@ -24,25 +24,19 @@ Layout of a results directory ``DIR`` (default ``experiments/NAME``)::
     DIR/logs/ARM/seed-S.log           its stdout and stderr
     DIR/results.csv results.md *.png  the report (sao.runtime.report)
 
-Running again resumes: a run whose ``summary.json`` exists is kept, one with a
-checkpoint is continued (``sao train --resume``), any other is started afresh.
+Running (:mod:`sao.runtime.experiment_run`) resumes: a run whose ``summary.json``
+exists is kept, one with a checkpoint is continued (``sao train --resume``),
+any other is started afresh. The report is :mod:`sao.runtime.report`'s.
 """
 
 from __future__ import annotations
 
 import difflib
 import json
-import os
 import re
-import shutil
-import signal
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 from sao.config import ConfigError, load_config, read_file
 
@@ -116,11 +110,13 @@ def _steps(n: int) -> tuple[str, ...]:
 
 
 _SAO = ("algo=sao",)
-_COMPARED = (
-    "All arms train 32 trajectories per actor step for the same number of actor steps; "
-    "group arms (GRPO) take 4 prompts x 8 rollouts, single-rollout arms 32 prompts."
-)
+_COMPARED = "All arms train 32 trajectories per actor step for the same number of actor steps."
 
+# Costs: measured with two `sao train` runs at once on the reference machine's 2 CPU
+# cores (one torch thread each, load ~3 from other work): metrics.jsonl's wall_s over
+# 20-30 steps per preset, `sao eval --episodes 200` minus `--episodes 1` for an eval,
+# ~15 s per run of start-up; on a quiet machine steps are ~1/3 faster (BENCHMARKS.md:
+# 110 calc-tiny SAO steps in 179 s alone on 2 threads).
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in [
@@ -134,6 +130,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "project's task where RL works), asynchronous with the default staleness "
                 "bound (runtime.max_lag=4), greedy held-out success in place of AIME25. "
                 + _COMPARED
+                + " The GRPO arms take 4 prompts x 8 rollouts a step, the SAO arms 32 prompts."
             ),
             preset="calc-tiny",
             base=_steps(250),
@@ -143,7 +140,10 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "grpo_dis": ("algo=grpo_dis",),
                 "grpo": ("algo=grpo",),
             },
-            cost="~55 min with --jobs 2 and 3 seeds on 2 CPU cores (12 runs of 250 steps)",
+            cost=(
+                "~55 min: 12 runs x 250 steps at ~2.2 s (SAO arms) / ~1.4 s (GRPO arms) a step, "
+                "2 at a time; the first time, ~5 min more for the seed-1 and seed-2 warm starts"
+            ),
         ),
         Experiment(
             name="critic",
@@ -155,7 +155,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "greedy held-out success; the explained-variance plot is Fig. 4's. " + _COMPARED
             ),
             preset="calc-tiny",
-            base=_steps(150),
+            base=_steps(200),
             arms={
                 "sao": _SAO,
                 "k1": (*_SAO, "algo.critic_steps=1"),
@@ -163,7 +163,10 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "no_warmup": (*_SAO, "algo.critic_pretrain_steps=0"),
                 "running_mean": ("algo=running_mean",),
             },
-            cost="~55 min with --jobs 2 and 3 seeds on 2 CPU cores (15 runs of 150 steps)",
+            cost=(
+                "~55 min: 15 runs x 200 steps at ~2.2 s (critic arms) / ~1.4 s (running mean) a "
+                "step, 2 at a time (+~5 min of warm starts the first time, shared with table1)"
+            ),
         ),
         Experiment(
             name="gae",
@@ -183,7 +186,10 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "step_average": ("algo=step_average",),
                 "step_last_token": ("algo=step_last_token",),
             },
-            cost="~55 min with --jobs 2 and 3 seeds on 2 CPU cores (9 runs of 150 steps)",
+            cost=(
+                "~55 min: 9 runs x 150 steps at ~4 s a step (7-turn episodes), 4 s per eval, "
+                "2 at a time; the first time, ~2 min more for the seed-1 and seed-2 warm starts"
+            ),
         ),
         Experiment(
             name="online",
@@ -192,14 +198,12 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "writing style switches, SAO re-aligns faster than the running-mean baseline "
                 "with a 128-reward window, and its training reward recovers sooner. Here: "
                 "style-shift-tiny, preferred style cute, then chuunibyou from actor step "
-                "100, classical from 200 (dashed lines); held-out success is judged with the "
-                "style preferred at the time of each eval. " + _COMPARED
+                "133, classical from 266 (dashed lines); held-out success is judged with the "
+                "style preferred at the time of each eval (per-style held-out success and "
+                "steps-to-recover are not logged yet). " + _COMPARED
             ),
             preset="style-shift-tiny",
-            base=(
-                *_steps(300),
-                'task.options.schedule=[[0, "cute"], [100, "chuunibyou"], [200, "classical"]]',
-            ),
+            base=_steps(400),
             arms={
                 "sao": _SAO,
                 "running_mean": (
@@ -208,8 +212,11 @@ EXPERIMENTS: dict[str, Experiment] = {
                     "algo.running_mean_per_prompt=false",
                 ),
             },
-            cost="~60 min with --jobs 2 and 3 seeds on 2 CPU cores (6 runs of 300 steps)",
-            marks=(100, 200),
+            cost=(
+                "~35 min: 6 runs x 400 steps at ~1.6 s a step, 2 at a time; the first time, "
+                "~5 min more for the seed-1 and seed-2 warm starts"
+            ),
+            marks=(133, 266),  # the default schedule of the style_shift task
         ),
     ]
 }
@@ -403,176 +410,6 @@ def load_meta(exp_dir: Path) -> dict[str, object]:
         )
     meta: dict[str, object] = json.loads(path.read_text())
     return meta
-
-
-# ---------------------------------------------------------------------- running
-
-Status = Literal["done", "resume", "fresh"]
-
-
-def status(run: Run) -> Status:
-    """``done`` (summary.json exists), ``resume`` (a complete checkpoint) or ``fresh``."""
-    if (run.run_dir / "summary.json").is_file():
-        return "done"
-    from sao.runtime.checkpoint import latest_checkpoint
-
-    return "resume" if latest_checkpoint(run.run_dir / "checkpoints") else "fresh"
-
-
-def command(exp: Experiment, run: Run, how: Status) -> list[str]:
-    """The ``sao train`` command line of ``run``."""
-    train = [sys.executable, "-m", "sao.cli", "train"]
-    if how == "resume":
-        return [*train, "--resume", str(run.run_dir), "--set", "log.live=false"]
-    sets = [*run.overrides, f"seed={run.seed}", f"log.run_dir={run.run_dir}", "log.live=false"]
-    return [*train, "--preset", exp.preset, *(x for s in sets for x in ("--set", s))]
-
-
-_WARM = (
-    "import sys; from sao.config import load_config; from sao.runtime.run import policy_path; "
-    "policy_path(load_config(sys.argv[1], None, sys.argv[2:]))"
-)
-
-
-def warm_start_commands(exp: Experiment, runs: Sequence[Run]) -> list[list[str]]:
-    """One command per distinct tiny warm-started policy the runs need and the
-    cache lacks (each seed builds its own), so that concurrent runs never build
-    the same one twice."""
-    needed: dict[Path, list[str]] = {}
-    for run in runs:
-        sets = [*run.overrides, f"seed={run.seed}"]
-        cfg = load_config(exp.preset, None, sets)
-        if cfg.model.path is not None:
-            continue
-        from sao.runtime.warmstart import policy_dir
-
-        options = {"seed": cfg.seed, **cfg.task.options}
-        path = policy_dir(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
-        if not path.is_dir():
-            needed.setdefault(path, [sys.executable, "-c", _WARM, exp.preset, *sets])
-    return list(needed.values())
-
-
-@dataclass(frozen=True)
-class _Job:
-    label: str
-    cmd: list[str]
-    log: Path
-    done: Callable[[int, float], str] | None = None
-    """Called with the exit status and seconds; returns a note for the progress line."""
-
-    def finish(self, rc: int, seconds: float) -> str:
-        return self.done(rc, seconds) if self.done is not None else ""
-
-
-def _pool(jobs: Sequence[_Job], n: int, echo: Callable[[str], None]) -> list[str]:
-    """Run ``jobs``, ``n`` at a time; returns the labels of those that failed. On an
-    interrupt the running ones get SIGINT (they checkpoint and stop), then SIGKILL
-    after 60 s."""
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // n)))
-    todo = list(jobs)
-    running: list[tuple[_Job, subprocess.Popen[bytes], float]] = []
-    failed: list[str] = []
-    try:
-        while todo or running:
-            while todo and len(running) < n:
-                job = todo.pop(0)
-                job.log.parent.mkdir(parents=True, exist_ok=True)
-                out = job.log.open("a")
-                proc = subprocess.Popen(job.cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
-                out.close()
-                running.append((job, proc, time.perf_counter()))
-            time.sleep(0.2)
-            for item in list(running):
-                job, proc, t0 = item
-                rc = proc.poll()
-                if rc is None:
-                    continue
-                running.remove(item)
-                seconds = time.perf_counter() - t0
-                note = job.finish(rc, seconds)
-                verdict = "done" if rc == 0 else f"FAILED (exit {rc}, log {job.log})"
-                echo(f"{job.label}: {verdict} in {seconds / 60:.1f} min{note}")
-                if rc != 0:
-                    failed.append(job.label)
-    except BaseException:
-        for _, proc, _ in running:
-            proc.send_signal(signal.SIGINT)  # `sao train` stops as on Ctrl-C
-        for job, proc, t0 in running:
-            try:
-                rc = proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                rc = proc.wait()
-            job.finish(rc, time.perf_counter() - t0)
-        raise
-    return failed
-
-
-def _attempt_recorder(run: Run, how: Status) -> Callable[[int, float], str]:
-    """Appends the attempt to ``RUN_DIR/experiment_attempts.jsonl`` (the report's
-    wall time sums them) and returns the run's held-out success for the log line."""
-
-    def done(rc: int, seconds: float) -> str:
-        if not run.run_dir.is_dir():
-            return ""
-        with (run.run_dir / "experiment_attempts.jsonl").open("a") as f:
-            f.write(json.dumps({"how": how, "rc": rc, "wall_s": round(seconds, 1)}) + "\n")
-        summary = run.run_dir / "summary.json"
-        if rc != 0 or not summary.is_file():
-            return ""
-        s = json.loads(summary.read_text())
-        return f", held-out success {s['eval/success_first']:.3f} -> {s['eval/success_last']:.3f}"
-
-    return done
-
-
-def run_experiment(
-    exp: Experiment,
-    exp_dir: Path,
-    *,
-    seeds: int = 3,
-    jobs: int = 1,
-    overrides: Sequence[str] = (),
-    arms: Sequence[str] | None = None,
-    echo: Callable[[str], None] = print,
-) -> list[str]:
-    """Run (or resume) every run of ``exp`` in ``exp_dir``, ``jobs`` at a time,
-    then write the report; returns the labels of runs that failed."""
-    if jobs < 1:
-        raise ConfigError(f"--jobs must be >= 1, got {jobs}")
-    runs = plan(exp, exp_dir, seeds=seeds, overrides=overrides, arms=arms)
-    claim_dir(exp, exp_dir, overrides)
-    todo = [(run, how) for run in runs if (how := status(run)) != "done"]
-    warm = warm_start_commands(exp, [run for run, _ in todo])
-    if warm:
-        echo(f"building {len(warm)} warm-started policies first (once; then cached)")
-        logs = exp_dir.resolve() / "logs"
-        bad = _pool(
-            [_Job(f"warm start {i}", c, logs / f"warm-start-{i}.log") for i, c in enumerate(warm)],
-            jobs,
-            echo,
-        )
-        if bad:
-            raise RuntimeError(f"building warm-started policies failed; see {logs}/warm-start-*")
-    pending: list[_Job] = []
-    for run, how in todo:
-        if how == "fresh" and run.run_dir.exists():
-            shutil.rmtree(run.run_dir)  # an attempt that stopped before its first checkpoint
-        label = f"{run.label} ({'resumed' if how == 'resume' else 'started'})"
-        pending.append(_Job(label, command(exp, run, how), run.log, _attempt_recorder(run, how)))
-    kept = len(runs) - len(pending)
-    echo(
-        f"experiment {exp.name}: {len(runs)} runs, {kept} already finished, "
-        f"{len(pending)} to run, {jobs} at a time, in {exp_dir}"
-    )
-    failed = _pool(pending, jobs, echo)
-    from sao.runtime.report import write_report
-
-    written = write_report(exp_dir)
-    echo(f"report: {', '.join(str(p) for p in written[:2])} and {len(written) - 2} plots")
-    return failed
 
 
 def describe(exp: Experiment) -> str:

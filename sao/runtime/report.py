@@ -277,9 +277,9 @@ def _comparison(runs: Sequence[RunResult]) -> str:
         )
         warm = sorted({(r.arm, r.warmup_steps) for r in runs if r.warmup_steps})
         if warm:
-            w = ", ".join(f"`{a}` {n}" for a, n in dict(warm).items())
+            w = ", ".join(f"`{a}` {n} step{'s' * (n != 1)}" for a, n in dict(warm).items())
             text += (
-                " Critic-only warm-up steps come on top (" + w + f" steps of {per_step[0]}): "
+                f" Critic-only warm-up steps of {per_step[0]} trajectories come on top ({w}): "
                 "they sample with the frozen initial policy and train only the critic; "
                 "the `trajectories` column of results.csv counts them."
             )
@@ -335,11 +335,15 @@ def results_md(
     out += ["", "| arm | overrides |", "|---|---|"]
     for arm, sets in exp.arms.items():
         out.append(f"| `{arm}` | {' '.join(f'`{s}`' for s in sets) or '(base only)'} |")
-    base = [*exp.base, *overrides]
+
+    def code(items: Sequence[str]) -> str:
+        return " ".join(f"`{s}`" for s in items)
+
     out += [
         "",
         f"Every arm: preset `{exp.preset}`"
-        + (", " + " ".join(f"`{s}`" for s in base) if base else "")
+        + (f", then the experiment's {code(exp.base)}" if exp.base else "")
+        + (f", then this directory's `--set` {code(overrides)}" if overrides else "")
         + ". Per run: [results.csv](results.csv); run directories under `runs/ARM/seed-S`.",
     ]
     if unfinished:
