@@ -234,6 +234,13 @@ class RuntimeConfig(_Section):
     """CPUs reserved per rollout worker in the placement group (backend=ray)."""
     gpus_per_worker: NonNegativeFloat = 0.0
     """GPUs reserved per rollout worker (backend=ray; an embedded engine then runs on it)."""
+    trainer_ranks: PositiveInt = 1
+    """Trainer ranks (backend=ray): Ray actors joined by torch.distributed, training the
+    actor and the colocated critic with FSDP2 (gloo on CPU, NCCL on GPU)."""
+    cpus_per_rank: NonNegativeFloat = 0.5
+    """CPUs reserved per trainer rank (backend=ray)."""
+    gpus_per_rank: NonNegativeFloat = 0.0
+    """GPUs per trainer rank (backend=ray; 1 for a GPU trainer, with model.device=cuda)."""
 
 
 class EvalConfig(_Section):
@@ -438,6 +445,17 @@ def validate(data: Mapping[str, Any]) -> Config:
             f"({G}, algo {algo.name!r}): groups are trained whole"
         )
     r = cfg.rollout
+    groups = cfg.train.batch_size // G
+    if cfg.runtime.trainer_ranks > groups:
+        raise ConfigError(
+            f"runtime.trainer_ranks ({cfg.runtime.trainer_ranks}) exceeds the groups per batch "
+            f"({groups} = train.batch_size {cfg.train.batch_size} / group size {G}): groups are "
+            "trained whole on one rank, so some ranks would have nothing to train"
+        )
+    if cfg.runtime.backend == "local" and cfg.runtime.trainer_ranks > 1:
+        raise ConfigError(
+            "runtime.trainer_ranks > 1 needs runtime.backend=ray (the ranks are Ray actors)"
+        )
     if r.engine == "torch" and (r.servers or r.launch):
         raise ConfigError(
             "rollout.servers / rollout.launch need rollout.engine = http, vllm or sglang "

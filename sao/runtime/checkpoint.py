@@ -79,15 +79,38 @@ def save_checkpoint(
     trajectories: list[Trajectory],
 ) -> Path:
     """Write checkpoint ``step`` under ``ckpt_root`` atomically; returns its path."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    for stale in ckpt_root.glob(".tmp_step_*"):  # left by a save that crashed
-        shutil.rmtree(stale, ignore_errors=True)
-    final = ckpt_root / f"step_{step:06d}"
-    tmp = ckpt_root / f".tmp_step_{step:06d}_{os.getpid()}"
-    tmp.mkdir()
+    tmp = begin_checkpoint(ckpt_root, step)
     policy.save_pretrained(tmp / "policy")
     if critic is not None:
         critic.save_pretrained(tmp / "critic")
+    return finish_checkpoint(
+        ckpt_root, step, tmp, trainer_state=trainer_state, state=state, trajectories=trajectories
+    )
+
+
+def begin_checkpoint(ckpt_root: Path, step: int) -> Path:
+    """A fresh temporary directory for checkpoint ``step`` (models go in it
+    next, written by whoever holds them: this process or the trainer ranks)."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".tmp_step_*"):  # left by a save that crashed
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = ckpt_root / f".tmp_step_{step:06d}_{os.getpid()}"
+    tmp.mkdir()
+    return tmp
+
+
+def finish_checkpoint(
+    ckpt_root: Path,
+    step: int,
+    tmp: Path,
+    *,
+    trainer_state: dict[str, object],
+    state: dict[str, Any],
+    trajectories: list[Trajectory],
+) -> Path:
+    """Add trainer state, RNG, run state and buffered trajectories to ``tmp``
+    and rename it into place as ``step_NNNNNN``, then point ``latest`` at it."""
+    final = ckpt_root / f"step_{step:06d}"
     torch.save({"trainer": trainer_state, "rng": rng_state()}, tmp / "trainer.pt")
     (tmp / "state.json").write_text(json.dumps({"step": step, **state}, indent=2))
     with (tmp / "trajectories.jsonl").open("w") as f:
@@ -138,6 +161,11 @@ RESUMABLE_KEYS = (
     "rollout.request_timeout_s",
     "rollout.weights_dir",
     "model.device",
+    "runtime.trainer_ranks",
+    "runtime.rollout_workers",
+    "runtime.ray_address",
+    "runtime.cpus_per_",
+    "runtime.gpus_per_",
 )
 """Config keys (or prefixes) that may change when a run is resumed: where the
 rollouts are generated (the engine is given the saved policy and version at

@@ -95,15 +95,17 @@ class RunLogger:
         self.console.print(message)
 
     def close(self) -> None:
-        """Flush and close every sink."""
+        """Flush and close every sink (again: nothing happens)."""
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
         self._file.close()
         if self._tb is not None:
             self._tb.close()
+            self._tb = None
         if self._wandb is not None:
             self._wandb.finish()
+            self._wandb = None
 
     def __enter__(self) -> RunLogger:
         return self

@@ -242,9 +242,10 @@ class RayRunner:
             self.replaced += 1
 
     async def publish(self, weights: Any, version: int) -> None:
-        """Send ``weights`` (a state dict, put once in the object store, or a
-        weight directory path) to every worker as ``version``."""
-        ref = weights if isinstance(weights, str) else self.ray.put(weights)
+        """Send ``weights`` (an object-store reference, a state dict, put once
+        in the object store, or a weight directory path) to every worker."""
+        is_ref = isinstance(weights, (str, self.ray.ObjectRef))
+        ref = weights if is_ref else self.ray.put(weights)
         self.weights, self.version = ref, version
         calls = [s.actor.update_weights.remote(ref, version) for s in self.slots]
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -314,13 +315,16 @@ async def start_workers(
 async def open_ray_rollout(
     cfg: Config,
     policy: torch.nn.Module,
+    weights: Callable[[], Awaitable[Any]],
     model_dir: Path,
     run_dir: Path,
     version: int,
     task: Task | None,
 ) -> AsyncIterator[tuple[RayRunner, Publish]]:
     """Rollout workers (and any servers they drive) for a run, and the
-    function that publishes the trainer's weights to them; torn down on exit."""
+    function that publishes the trainer's weights to them; torn down on exit.
+    ``weights()`` gives an object-store reference to the policy's state dict
+    (the trainer ranks'); ``policy`` is only read for its config."""
     from sao.rollout.launch import launch_servers
     from sao.rollout.weights import write_weights
     from sao.runtime.engines import context_window
@@ -351,15 +355,16 @@ async def open_ray_rollout(
 
         async def publish(v: int) -> float:
             t0 = time.perf_counter()
-            state = policy.state_dict()
-            if r.engine == "torch":
-                weights: Any = {k: t.detach().cpu() for k, t in state.items()}
-            else:
+            ref = await weights()
+            if r.engine == "torch":  # every worker resolves the same object-store copy
+                payload: Any = ref
+            else:  # servers read a directory: write it once here
+                state = await ref if not isinstance(ref, dict) else ref
                 src = await asyncio.to_thread(
                     write_weights, state, weights_dir, v, config=getattr(policy, "config", None)
                 )
-                weights = str(src.path)
-            await runner.publish(weights, v)
+                payload = str(src.path)
+            await runner.publish(payload, v)
             return time.perf_counter() - t0
 
         await publish(version)  # workers sample with the trainer's weights from here on

@@ -28,17 +28,24 @@ from sao.models.freeze import freeze_attention
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
-from sao.rollout.check import score_trajectories
 from sao.rollout.engine import Engine
 from sao.runtime.buffer import TrajectoryBuffer
-from sao.runtime.checkpoint import load_state, resume_point, save_checkpoint, set_rng_state
+from sao.runtime.checkpoint import (
+    begin_checkpoint,
+    finish_checkpoint,
+    load_state,
+    resume_point,
+    set_rng_state,
+)
 from sao.runtime.engines import Publish, open_rollout_engine
 from sao.runtime.evaluate import evaluate
 from sao.runtime.logging import RunLogger, summarize, write_plots
 from sao.runtime.orchestrator import Orchestrator, RolloutState
 from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
+from sao.runtime.trainers import LocalTrainer, TrainerHandle
 from sao.runtime.warmstart import ensure_policy
+from sao.train.sharded import RankContext
 from sao.train.trainer import OptimSettings, Trainer
 from sao.types import SamplingParams, Trajectory
 
@@ -96,9 +103,17 @@ def policy_path(cfg: Config) -> Path:
     return ensure_policy(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
 
 
-def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = None) -> Parts:
+def build_parts(
+    cfg: Config,
+    start_dir: Path | None = None,
+    task: Task | None = None,
+    *,
+    ranks: RankContext | None = None,
+    quiet: bool = False,
+) -> Parts:
     """Load models and build the trainer. ``start_dir`` overrides the policy
-    (resume); ``task`` replaces the configured built-in task (your own env)."""
+    (resume); ``task`` replaces the configured built-in task (your own env);
+    ``ranks`` makes this one rank of a sharded trainer (``quiet``: print nothing)."""
     algo = cfg.algo.resolve()
     try:
         device = resolve_device(cfg.model.device)
@@ -122,7 +137,8 @@ def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = 
             )
         if algo.freeze_critic_attention:
             report = freeze_attention(critic)  # before the optimizer is built (paper section 4)
-            print(
+            print_ = (lambda *a, **k: None) if quiet else print
+            print_(
                 f"critic attention frozen: {report.num_frozen:,} parameters frozen, "
                 f"{report.num_trainable:,} trainable"
             )
@@ -145,7 +161,7 @@ def build_parts(cfg: Config, start_dir: Path | None = None, task: Task | None = 
         temperature=r.temperature,
         max_action_tokens=r.max_turns * r.max_new_tokens,
     )
-    trainer = Trainer(policy, critic, algo, settings)
+    trainer = Trainer(policy, critic, algo, settings, ranks)
     return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, limits, device)
 
 
@@ -205,7 +221,8 @@ def _restore(
     if ckpt is None:
         return RolloutState(), 0, 0
     saved, blob, trajs = load_state(ckpt)
-    p.trainer.load_state_dict(blob["trainer"])
+    if not blob["trainer"].get("sharded"):  # else the trainer ranks load checkpoint/sharded
+        p.trainer.load_state_dict(blob["trainer"])
     set_rng_state(blob["rng"])
     gate.started, gate.rejected, gate.dropped = saved["gate"]
     for t in trajs:
@@ -247,6 +264,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
         gate, group_size=algo.group_size, dynamic_sampling=algo.dynamic_sampling
     )
     restored = _restore(p, ckpt, gate, buffer)
+    handle = await _trainer(p, ckpt, task)
     logger = RunLogger(
         run_dir,
         total_steps=total,
@@ -256,18 +274,14 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
         config=to_dict(cfg),
     )
     try:
-        async with _rollout(p, run_dir, restored[2], task) as (runner, publish, engine):
+        async with _rollout(p, handle, run_dir, restored[2], task) as (runner, publish, engine):
             orch = _pipeline(p, runner, gate, buffer, restored)
             kv_kept = cfg.rollout.engine in ("torch", "http")
             kv_kept = kv_kept and not cfg.rollout.recompute_kv_on_update
             logger.print(gate.describe(in_flight=cfg.rollout.in_flight, kv_kept=kv_kept))
             if ckpt is None:
-                await _logprob_gate(p, runner, engine, logger)
+                await _logprob_gate(p, handle, runner, engine, logger)
                 logger.log(0, {"wall_s": 0.0, **await _eval(p, runner)})
-
-            async def step_fn(batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
-                stats = await asyncio.to_thread(p.trainer.step, batch, train_actor=train_actor)
-                return {k: float(v) for k, v in stats.items()}
 
             async def on_step(step: int, m: dict[str, float]) -> None:
                 m["wall_s"] = orch.clock.elapsed()
@@ -277,25 +291,40 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
                 if step % cfg.log.checkpoint_every == 0 or step == total:
                     # snapshot on the event loop (episodes keep running), write in a thread
                     state, trajs = _rollout_snapshot(orch, buffer, gate)
-                    await asyncio.to_thread(_checkpoint, p, run_dir, step, state, trajs)
+                    await _checkpoint(handle, run_dir, step, state, trajs)
 
             await orch.train(
                 total,
                 cfg.train.batch_size,
-                step_fn,
+                handle.step,
                 publish,
                 warmup_steps=algo.critic_pretrain_steps,  # critic-only batches, before actor steps
                 on_step=on_step,
             )
+        logger.close()
+        await _finish(p, handle, run_dir, logger.history)
     finally:
         logger.close()
-    _finish(p, run_dir, logger.history)
+        handle.close()
     return run_dir
+
+
+async def _trainer(p: Parts, ckpt: Path | None, task: Task | None) -> TrainerHandle:
+    """The trainer: this process's, or ``runtime.trainer_ranks`` Ray actors
+    (which load the checkpoint's sharded state themselves)."""
+    if p.cfg.runtime.backend == "local":
+        return LocalTrainer(p)
+    from sao.runtime.ray_trainer import RayTrainerGroup
+
+    group = await RayTrainerGroup.start(p.cfg, ckpt, task)
+    if ckpt is not None:
+        await group.load(ckpt)
+    return group
 
 
 @contextlib.asynccontextmanager
 async def _rollout(
-    p: Parts, run_dir: Path, version: int, task: Task | None
+    p: Parts, handle: TrainerHandle, run_dir: Path, version: int, task: Task | None
 ) -> AsyncIterator[tuple[EpisodeRunner, Publish, Engine | None]]:
     """Where episodes run (``runtime.backend``) and how weights reach them."""
     cfg = p.cfg
@@ -303,7 +332,9 @@ async def _rollout(
     if cfg.runtime.backend == "ray":
         from sao.runtime.ray_backend import open_ray_rollout
 
-        async with open_ray_rollout(cfg, p.policy, model_dir, run_dir, version, task) as (
+        async with open_ray_rollout(
+            cfg, p.policy, handle.weights, model_dir, run_dir, version, task
+        ) as (
             ray_runner,
             publish,
         ):
@@ -317,7 +348,11 @@ async def _rollout(
 
 
 async def _logprob_gate(
-    p: Parts, runner: EpisodeRunner, engine: Engine | None, logger: RunLogger
+    p: Parts,
+    handle: TrainerHandle,
+    runner: EpisodeRunner,
+    engine: Engine | None,
+    logger: RunLogger,
 ) -> None:
     """Refuse to train when the engine's log-probabilities and the trainer's
     differ by more than ``train.logprob_budget`` (on up to 4 held-out episodes)."""
@@ -330,7 +365,7 @@ async def _logprob_gate(
             for i in range(min(4, runner.eval_size))
         )
     )
-    report = score_trajectories(p.policy, p.tokenizer, trajs, p.sampling, engine=engine)
+    report = await handle.score(list(trajs), p.sampling, engine=engine)
     logger.print(f"log-prob check: max |delta| {report.max_abs_delta:.2e}, k3 {report.k3_kl:.2e}")
     report.check(budget)
 
@@ -361,28 +396,32 @@ def _rollout_snapshot(
     return state, trajs
 
 
-def _checkpoint(
-    p: Parts, run_dir: Path, step: int, state: dict[str, object], trajs: list[Trajectory]
+async def _checkpoint(
+    handle: TrainerHandle,
+    run_dir: Path,
+    step: int,
+    state: dict[str, object],
+    trajs: list[Trajectory],
 ) -> None:
-    save_checkpoint(
-        run_dir / "checkpoints",
+    """Models from the trainer (wherever it runs), then the rest, renamed into place."""
+    root = run_dir / "checkpoints"
+    tmp = await asyncio.to_thread(begin_checkpoint, root, step)
+    await handle.save_models(tmp)
+    await asyncio.to_thread(
+        finish_checkpoint,
+        root,
         step,
-        policy=p.policy,
-        critic=p.critic,
-        trainer_state=p.trainer.state_dict(),
+        tmp,
+        trainer_state=handle.trainer_state(),
         state=state,
         trajectories=trajs,
     )
 
 
-def _finish(p: Parts, run_dir: Path, history: list[dict[str, float]]) -> None:
+async def _finish(
+    p: Parts, handle: TrainerHandle, run_dir: Path, history: list[dict[str, float]]
+) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summarize(history), indent=2) + "\n")
     if p.cfg.log.plots:
         write_plots(history, run_dir)
-    final = run_dir / "final"
-    tmp = run_dir / ".final.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    p.policy.save_pretrained(tmp)
-    p.tokenizer.save_pretrained(tmp)
-    shutil.rmtree(final, ignore_errors=True)
-    tmp.rename(final)
+    await handle.export(run_dir / "final")

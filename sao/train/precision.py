@@ -9,7 +9,10 @@ unchanged: a weight of size 0.02 has a bf16 spacing of ~1.2e-4, so an update of
 1e-6 rounds back to the same weight.
 
 A float32 parameter is its own master (no copy): on CPU in float32 this class
-changes nothing, and the trainer runs the same code in both cases.
+changes nothing, and the trainer runs the same code in both cases. The sharded
+trainer is such a case too: :func:`sao.train.sharded.shard` keeps FSDP2's
+shards in float32 and gathers them in bf16 for compute, so each float32 shard
+(a DTensor) is its own master.
 """
 
 from __future__ import annotations

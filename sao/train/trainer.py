@@ -4,7 +4,11 @@ attention, the actor update. ``Trainer.step`` reads as the algorithm.
 Device: every tensor the step builds lives on the policy's device (the batch is
 collated on the CPU, then moved once); the returned metrics are CPU tensors.
 Precision: the optimizers step float32 master weights
-(:class:`~sao.train.precision.MasterWeights`), whatever the models' dtype."""
+(:class:`~sao.train.precision.MasterWeights`), whatever the models' dtype.
+Ranks: the :class:`~sao.train.sharded.RankContext` builds the models (FSDP2 with
+N ranks) and picks this rank's micro-batches; every quantity that is not
+row-local (denominators, advantages, statistics) comes from the whole batch, so
+the step is the same code on one rank or many (sao/train/sharded.py)."""
 
 from __future__ import annotations
 
@@ -18,10 +22,10 @@ from transformers import PreTrainedModel
 from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
 from sao.algo.losses import aggregate_denom, value_loss
 from sao.algo.presets import AlgoPreset
-from sao.models.logprobs import sequence_logprobs
 from sao.models.value import ValueModel
 from sao.train.estimators import Stats, Targets, compute_targets, needs_old_logp, policy_loss
 from sao.train.precision import MasterWeights
+from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
 from sao.types import Batch, Trajectory, collate
 
 
@@ -43,38 +47,6 @@ class NonFiniteError(RuntimeError):
     """Too many consecutive steps with a NaN/inf loss or gradient."""
 
 
-def micro_batches(batch: Batch, token_budget: int) -> Iterator[tuple[Batch, torch.Tensor]]:
-    """Split rows (sorted by length) into micro-batches whose padded size
-    ``rows * T_max`` fits ``token_budget`` (a longer row forms its own);
-    padding beyond each micro-batch's longest row is trimmed. Yields
-    ``(micro_batch, row_indices_into_batch)``, the indices on the batch's device."""
-    lengths = batch.attention_mask_BT.sum(dim=1).tolist()
-    group: list[int] = []
-    for i in sorted(range(batch.size), key=lambda i: lengths[i]):
-        if group and (len(group) + 1) * max(lengths[i], 1) > token_budget:
-            yield _select(batch, group)
-            group = []
-        group.append(i)
-    if group:
-        yield _select(batch, group)
-
-
-def _select(batch: Batch, rows: list[int]) -> tuple[Batch, torch.Tensor]:
-    idx = torch.tensor(rows, dtype=torch.long, device=batch.tokens_BT.device)
-    T = max(int(batch.attention_mask_BT[idx].sum(dim=1).max()), 1)
-    fields = {
-        k: v[idx][:, :T] if v.ndim == 2 else v[idx]
-        for k, v in vars(batch).items()
-        if isinstance(v, torch.Tensor)
-    }
-    sub = Batch(
-        **fields,
-        prompt_ids=tuple(batch.prompt_ids[i] for i in rows),
-        group_ids=tuple(batch.group_ids[i] for i in rows),
-    )
-    return sub, idx
-
-
 class Trainer:
     """Actor (policy) and critic updates for one algorithm preset."""
 
@@ -84,8 +56,14 @@ class Trainer:
         critic: ValueModel | None,
         algo: AlgoPreset,
         settings: OptimSettings,
+        ranks: RankContext | None = None,
     ) -> None:
         self.policy, self.critic, self.algo, self.opt = policy, critic, algo, settings
+        self.ranks = RankContext() if ranks is None else ranks
+        # FSDP2 with N ranks (before the optimizers: parameters become DTensors); as is on one
+        self.actor = self.ranks.shard(PolicyLogprobs(policy, settings.temperature))
+        if critic is not None:
+            self.ranks.shard(critic)
         self.device = next(policy.parameters()).device
         self.actor_weights = MasterWeights(policy.parameters())
         self.actor_optim = torch.optim.AdamW(self.actor_weights.params, lr=settings.actor_lr)
@@ -154,7 +132,7 @@ class Trainer:
         for mb, rows in self._with_rows(batch):
             v = self.critic(mb.tokens_BT, mb.attention_mask_BT).float()
             out[rows, : v.shape[1]] = v
-        return out
+        return self.ranks.sum_rows(out)  # each row was filled by one rank
 
     def update_critic(
         self, batch: Batch, targets: Targets, old_values_BT: torch.Tensor | None = None
@@ -172,9 +150,10 @@ class Trainer:
             for mb, rows in self._with_rows(batch):
                 T = mb.tokens_BT.shape[1]
                 m = mask[rows, :T]
-                if not bool(m.any()):
-                    continue
                 v = self.critic(mb.tokens_BT, mb.attention_mask_BT)
+                if not bool(m.any()):  # still a backward: ranks run the same passes
+                    _zero_loss(v).backward()
+                    continue
                 clip = self.algo.value_clip if old_values_BT is not None else None
                 old = None if clip is None else old_values_BT[rows, :T]  # type: ignore[index]
                 loss, _ = value_loss(
@@ -197,38 +176,32 @@ class Trainer:
         return stats
 
     def update_actor(self, batch: Batch, advantages_BT: torch.Tensor) -> Stats:
-        """One actor optimizer step over micro-batches (gradients accumulate exactly)."""
+        """One actor optimizer step over micro-batches (gradients accumulate
+        exactly); the loss statistics come from the whole batch's log-probs."""
         mask = batch.action_mask_BT
         reduction = "seq_mean_token_mean" if self.algo.loss == "gspo" else self.algo.reduction
         denom = aggregate_denom(mask, reduction)
         old = self._old_logp(batch) if needs_old_logp(self.algo) else None
         self.actor_optim.zero_grad(set_to_none=True)
-        sums: Stats = {}
-        n_mb = 0
+        logp_BT = torch.zeros_like(batch.rollout_logp_BT, dtype=torch.float32)
         for mb, rows in self._with_rows(batch):
-            if not bool(mb.action_mask_BT.any()):
-                continue
             T = mb.tokens_BT.shape[1]
-            logp = sequence_logprobs(
-                self.policy, mb.tokens_BT, mb.attention_mask_BT, temperature=self.opt.temperature
-            )
+            logp = self.actor(mb.tokens_BT, mb.attention_mask_BT)
+            logp_BT[rows, :T] = logp.detach()
+            if not bool(mb.action_mask_BT.any()):  # still a backward: ranks run the same passes
+                _zero_loss(logp).backward()
+                continue
             old_mb = None if old is None else old[rows, :T]
-            loss, s = policy_loss(
-                self.algo,
-                logp,
-                mb.rollout_logp_BT,
-                old_mb,
-                advantages_BT[rows, :T],
-                mb.action_mask_BT,
-                denom,
-            )
+            args = (mb.rollout_logp_BT, old_mb, advantages_BT[rows, :T], mb.action_mask_BT)
+            loss, _ = policy_loss(self.algo, logp, *args, denom)
             loss.backward()
-            n_mb += 1
-            for k, v in s.items():  # summed on the device: no host sync per micro-batch
-                sums[k] = sums[k] + v.detach() if k in sums else v.detach().float()
         norm = self._apply(self.actor_weights, self.actor_optim)
-        stats: Stats = {k: v / max(n_mb, 1) for k, v in sums.items()}
-        return stats | {"actor/grad_norm": norm}
+        logp_BT = self.ranks.sum_rows(logp_BT)
+        with torch.no_grad():  # whole-batch statistics, the same on every rank
+            loss, stats = policy_loss(
+                self.algo, logp_BT, batch.rollout_logp_BT, old, advantages_BT, mask, denom
+            )
+        return stats | {"actor/loss": loss, "actor/grad_norm": norm}
 
     # ------------------------------------------------------------------ helpers
 
@@ -236,14 +209,12 @@ class Trainer:
     def _old_logp(self, batch: Batch) -> torch.Tensor:
         out = batch.rollout_logp_BT.new_zeros(batch.tokens_BT.shape, dtype=torch.float32)
         for mb, rows in self._with_rows(batch):
-            lp = sequence_logprobs(
-                self.policy, mb.tokens_BT, mb.attention_mask_BT, temperature=self.opt.temperature
-            )
+            lp = self.actor(mb.tokens_BT, mb.attention_mask_BT)
             out[rows, : lp.shape[1]] = lp
-        return out
+        return self.ranks.sum_rows(out)
 
     def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
-        return micro_batches(batch, self.opt.token_budget)
+        return self.ranks.micro_batches(batch, self.opt.token_budget)
 
     def _apply(self, weights: MasterWeights, optim: torch.optim.Optimizer) -> torch.Tensor:
         """Clip, guard against NaN/inf, step the float32 masters and write them
@@ -251,7 +222,7 @@ class Trainer:
         params = weights.load_grads()
         if not params:
             return torch.zeros((), device=self.device)
-        norm = torch.nn.utils.clip_grad_norm_(params, self.opt.grad_clip).detach()
+        norm = clip_grad_norm(params, self.opt.grad_clip).detach()
         finite = math.isfinite(float(norm))  # one host sync per optimizer step
         self._finite &= finite
         if finite:
@@ -315,6 +286,13 @@ class Trainer:
         if self.running_mean is not None and state.get("running_mean") is not None:
             self.running_mean.load_state_dict(state["running_mean"])  # type: ignore[arg-type]
         self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
+
+
+def _zero_loss(out: torch.Tensor) -> torch.Tensor:
+    """A zero loss that still reaches every parameter ``out`` depends on: a
+    micro-batch without an action token (or a rank's padding micro-batch) runs
+    its backward like the others, as FSDP2's collectives require."""
+    return out.sum() * 0.0
 
 
 def _last_action_index(action_mask_BT: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,94 @@
+"""Where the trainer runs: in this process (:class:`LocalTrainer`) or as a
+group of Ray actors (:class:`~sao.runtime.ray_trainer.RayTrainerGroup`).
+``sao train`` talks to either through the same few calls, so the run loop
+has no backend branches: train a batch, hand out the weights, score
+trajectories for the log-probability check, write the models into a
+checkpoint, export the final policy."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from sao.rollout.check import LogprobReport, score_trajectories
+from sao.types import SamplingParams, Trajectory
+
+if TYPE_CHECKING:
+    from sao.runtime.run import Parts
+
+__all__ = ["LocalTrainer", "TrainerHandle"]
+
+
+class TrainerHandle(Protocol):
+    async def step(self, batch: list[Trajectory], train_actor: bool) -> dict[str, float]: ...
+
+    async def weights(self) -> Any:
+        """The policy's full state dict (local) or an object-store reference to it (Ray)."""
+        ...
+
+    async def score(
+        self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None
+    ) -> LogprobReport: ...
+
+    async def save_models(self, directory: Path) -> None:
+        """Write ``policy/`` and ``critic/`` (Hugging Face) and the optimizer
+        state into a checkpoint directory being built."""
+        ...
+
+    def trainer_state(self) -> dict[str, object]:
+        """What goes into the checkpoint's ``trainer.pt`` beside the RNG state."""
+        ...
+
+    async def export(self, directory: Path) -> None:
+        """The trained policy and tokenizer in Hugging Face format."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class LocalTrainer:
+    """The trainer of :class:`~sao.runtime.run.Parts`, in this process."""
+
+    def __init__(self, parts: Parts) -> None:
+        self.p = parts
+
+    async def step(self, batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
+        stats = await asyncio.to_thread(self.p.trainer.step, batch, train_actor=train_actor)
+        return {k: float(v) for k, v in stats.items()}
+
+    async def weights(self) -> Any:
+        return self.p.policy.state_dict()
+
+    async def score(
+        self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None
+    ) -> LogprobReport:
+        return score_trajectories(
+            self.p.policy, self.p.tokenizer, trajectories, sampling, engine=engine
+        )
+
+    async def save_models(self, directory: Path) -> None:
+        def write() -> None:
+            self.p.policy.save_pretrained(directory / "policy")
+            if self.p.critic is not None:
+                self.p.critic.save_pretrained(directory / "critic")
+
+        await asyncio.to_thread(write)
+
+    def trainer_state(self) -> dict[str, object]:
+        return self.p.trainer.state_dict()
+
+    async def export(self, directory: Path) -> None:
+        def write() -> None:
+            tmp = directory.parent / f".{directory.name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            self.p.policy.save_pretrained(tmp)
+            self.p.tokenizer.save_pretrained(tmp)
+            shutil.rmtree(directory, ignore_errors=True)
+            tmp.rename(directory)
+
+        await asyncio.to_thread(write)
+
+    def close(self) -> None:
+        pass

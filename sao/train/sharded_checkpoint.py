@@ -1,0 +1,235 @@
+"""Sharded trainer checkpoints with ``torch.distributed.checkpoint`` (DCP), and
+the Hugging Face export gathered to one directory.
+
+:func:`save_sharded` / :func:`load_sharded` are collective (every rank calls
+them); each rank writes and reads only its shards, and DCP reshards on load,
+so a checkpoint written by N ranks resumes on M ranks (M = 1 included: the
+single-process trainer, whose tensors are plain, loads the same files). The
+state is keyed by parameter *name*, never by position or rank:
+
+``policy`` / ``critic``
+    ``{name: tensor}``: the float32 master of every trained parameter (the
+    parameter itself when it is float32, e.g. FSDP2's float32 shards), the
+    model's tensor for the others (the critic's frozen attention); tied
+    weights once (the first name).
+``actor_optim`` / ``critic_optim``
+    ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}}``: AdamW's state
+    for each master, sharded like it.
+``trainer``
+    a JSON string: optimizer hyper-parameters (learning rates after warm-up
+    steps), the critic's LR schedule, the running-mean baseline, skipped steps.
+
+On disk: DCP's ``.metadata`` plus one ``__<rank>_0.distcp`` file per writing
+rank. Loading writes the masters back into the model weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import PreTrainedModel
+
+from sao.models.cache import atomic_dir
+from sao.models.value import HEAD_CONFIG, HEAD_FILE, ValueModel
+from sao.train.precision import MasterWeights
+from sao.train.sharded import RankContext, full_state_dict
+from sao.train.trainer import Trainer
+
+__all__ = ["load_sharded", "save_pretrained_gathered", "save_sharded"]
+
+StateDict = dict[str, Any]
+
+
+def _resharded(model: nn.Module) -> nn.Module:
+    """Put every FSDP2 unit back in its sharded form (a root stays gathered
+    after a forward), so the parameters seen are the ones the optimizer holds."""
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    return model
+
+
+def _names(model: nn.Module) -> dict[int, str]:
+    """Parameter identity -> its first name (tied weights appear once)."""
+    return {id(p): n for n, p in _resharded(model).named_parameters()}
+
+
+def _weights(model: nn.Module, masters: MasterWeights) -> dict[str, torch.Tensor]:
+    """``{name: master or tensor}``: see the module docstring."""
+    by_id = {id(p): m for p, m in zip(masters.model_params, masters.params, strict=True)}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in _resharded(model).state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = by_id.get(id(t), t).detach()
+    return out
+
+
+def _init_optim_state(optim: torch.optim.Optimizer) -> None:
+    """Materialise the lazily created state of parameters that have none yet
+    (a zero-LR step on zero gradients of those parameters alone: no weight
+    and no existing state changes), so DCP has tensors to load into."""
+    missing = {id(p) for g in optim.param_groups for p in g["params"] if p not in optim.state}
+    if not missing:
+        return
+    grads = {p: p.grad for g in optim.param_groups for p in g["params"]}
+    lrs = [g["lr"] for g in optim.param_groups]
+    for p in grads:
+        p.grad = torch.zeros_like(p) if id(p) in missing else None
+    for g in optim.param_groups:
+        g["lr"] = 0.0
+    optim.step()
+    for g, lr in zip(optim.param_groups, lrs, strict=True):
+        g["lr"] = lr
+    for p, grad in grads.items():
+        p.grad = grad
+
+
+def _optim(model: nn.Module, masters: MasterWeights, optim: torch.optim.Optimizer) -> StateDict:
+    names = _names(model)
+    _init_optim_state(optim)
+    state = {
+        names[id(p)]: dict(optim.state[m])
+        for p, m in zip(masters.model_params, masters.params, strict=True)
+    }
+    return {"state": state}
+
+
+def _hyper(optim: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
+    if optim is None:
+        return None
+    return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
+
+
+def _state(trainer: Trainer) -> StateDict:
+    """The whole DCP state of ``trainer`` (tensors are the live ones: DCP
+    saves from them and loads into them in place)."""
+    extra = {
+        "actor_groups": _hyper(trainer.actor_optim),
+        "critic_groups": _hyper(trainer.critic_optim),
+        "critic_sched": None if trainer.critic_sched is None else trainer.critic_sched.state_dict(),
+        "running_mean": None if trainer.running_mean is None else trainer.running_mean.state_dict(),
+        "skipped_steps": trainer.skipped_steps,
+    }
+    state: StateDict = {
+        "policy": _weights(trainer.policy, trainer.actor_weights),
+        "actor_optim": _optim(trainer.policy, trainer.actor_weights, trainer.actor_optim),
+        "trainer": json.dumps(extra),
+    }
+    if trainer.critic is not None:
+        assert trainer.critic_weights is not None and trainer.critic_optim is not None
+        state["critic"] = _weights(trainer.critic, trainer.critic_weights)
+        state["critic_optim"] = _optim(trainer.critic, trainer.critic_weights, trainer.critic_optim)
+    return state
+
+
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """Without a process group DCP reads and writes alone, and warns that it
+    assumes so on every call: here that is the intent (the 1-rank trainer)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        yield
+
+
+def save_sharded(directory: str | os.PathLike[str], trainer: Trainer) -> Path:
+    """Write ``trainer``'s models, optimizers and small state to ``directory``
+    with DCP (collective: call on every rank). Returns the path."""
+    path = Path(directory)
+    with _single_process_quiet():
+        dcp.save(_state(trainer), checkpoint_id=path, no_dist=not dist.is_initialized())
+    return path
+
+
+def load_sharded(directory: str | os.PathLike[str], trainer: Trainer) -> None:
+    """Restore what :func:`save_sharded` wrote, on any number of ranks
+    (collective). The trainer must be built the same way (same model, preset
+    and settings); its world size may differ from the writer's."""
+    path = Path(directory)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(
+            f"load_sharded: {str(path)!r} holds no DCP checkpoint (no .metadata); pass a "
+            "directory written by save_sharded"
+        )
+    state = _state(trainer)
+    with _single_process_quiet():
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    trainer.actor_weights.store()
+    if trainer.critic_weights is not None:
+        trainer.critic_weights.store()
+    _restore_extra(trainer, json.loads(state["trainer"]))
+
+
+def _restore_extra(trainer: Trainer, extra: StateDict) -> None:
+    for optim, groups in (
+        (trainer.actor_optim, extra["actor_groups"]),
+        (trainer.critic_optim, extra["critic_groups"]),
+    ):
+        if optim is not None and groups is not None:
+            for g, saved in zip(optim.param_groups, groups, strict=True):
+                g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
+    if trainer.critic_sched is not None and extra["critic_sched"] is not None:
+        trainer.critic_sched.load_state_dict(extra["critic_sched"])
+    if trainer.running_mean is not None and extra["running_mean"] is not None:
+        trainer.running_mean.load_state_dict(extra["running_mean"])
+    trainer.skipped_steps = int(extra["skipped_steps"])
+
+
+# ---------------------------------------------------------------- export
+
+
+def save_pretrained_gathered(
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    ranks: RankContext,
+    *,
+    dtype: torch.dtype | None = None,
+) -> Path:
+    """Gather ``model`` (a policy or a :class:`ValueModel`, sharded or not)
+    and write it in Hugging Face format to one ``directory``, from rank 0.
+
+    Collective: every rank calls it; rank 0 writes (atomically), the others
+    wait. ``dtype`` casts floating tensors (FSDP2 trains bf16 models in float32
+    shards; pass the model's dtype to export it as loaded)."""
+    full = full_state_dict(model)  # collective: rank 0 gets the tensors
+    path = Path(directory)
+    if ranks.is_main:
+        if dtype is not None:
+            full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+        if isinstance(model, ValueModel):
+            _save_value_model(model, full, path)
+        else:
+            with atomic_dir(path) as tmp:
+                cast(PreTrainedModel, model).save_pretrained(tmp, state_dict=full)
+    ranks.barrier()
+    return path
+
+
+def _save_value_model(critic: ValueModel, full: dict[str, torch.Tensor], path: Path) -> None:
+    """:meth:`ValueModel.save_pretrained`'s layout, from a gathered state dict."""
+    backbone = {
+        k.removeprefix("backbone."): v for k, v in full.items() if k.startswith("backbone.")
+    }
+    head = {
+        k.removeprefix("value_head."): v.float().contiguous()
+        for k, v in full.items()
+        if k.startswith("value_head.")
+    }
+    with atomic_dir(path) as tmp:
+        critic.backbone.save_pretrained(tmp, state_dict=backbone)
+        save_file(head, str(tmp / HEAD_FILE))
+        meta = {"hidden_size": critic.value_head.in_features, "dtype": "float32"}
+        (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
