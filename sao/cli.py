@@ -320,9 +320,10 @@ def _user_errors() -> tuple[type[Exception], ...]:
 def _stopped_errors() -> tuple[type[Exception], ...]:
     """A run that stopped itself with an explanation (e.g. diverged to NaN)."""
     from sao.rollout.router import NoLiveEngineError
+    from sao.runtime.ray_trainer import TrainerRankError
     from sao.train.trainer import NonFiniteError
 
-    return (NonFiniteError, NoLiveEngineError)
+    return (NonFiniteError, NoLiveEngineError, TrainerRankError)
 
 
 if __name__ == "__main__":

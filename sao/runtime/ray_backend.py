@@ -74,6 +74,32 @@ def init_ray(cfg: Config) -> Any:
     return ray
 
 
+async def place(
+    ray: Any, bundles: list[dict[str, float]], what: str, timeout_s: float = 120
+) -> Any:
+    """A placement group of ``bundles`` once it is ready; an error naming what
+    the cluster lacks (in all, or free now) when it cannot be placed."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    need: dict[str, float] = {}
+    for b in bundles:
+        for k, v in b.items():
+            need[k] = need.get(k, 0.0) + v
+    check_resources(ray, need, what)
+    pg = placement_group(bundles, strategy="PACK")
+    try:
+        await asyncio.wait_for(pg.ready(), timeout_s)
+    except asyncio.TimeoutError:
+        remove_placement_group(pg)
+        free = ray.available_resources()
+        detail = ", ".join(f"{k}: asks for {v:g}, {free.get(k, 0):g} free" for k, v in need.items())
+        raise ConfigError(
+            f"the Ray cluster could not place {what} within {timeout_s:.0f} s ({detail}); other "
+            "jobs hold its resources: free them or lower the runtime.* counts"
+        ) from None
+    return pg
+
+
 def check_resources(ray: Any, need: Mapping[str, float], what: str) -> None:
     """Raise ConfigError naming what the cluster lacks for ``need``."""
     have = ray.cluster_resources()
@@ -203,6 +229,7 @@ class RayRunner:
     weights: Any = None  # the last published weights (object ref or directory)
     train_step: int | None = None
     replaced: int = 0
+    pg: Any = None
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def run(
@@ -267,6 +294,10 @@ class RayRunner:
         await asyncio.gather(*(s.actor.close.remote() for s in self.slots), return_exceptions=True)
         for s in self.slots:
             self.ray.kill(s.actor)
+        if self.pg is not None:  # give the bundles back to the cluster
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
 
 
 async def start_workers(
@@ -278,7 +309,6 @@ async def start_workers(
 ) -> RayRunner:
     """Place and start ``runtime.rollout_workers`` workers; returns the runner."""
     ray = init_ray(cfg)
-    from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     rt = cfg.runtime
@@ -286,9 +316,7 @@ async def start_workers(
     bundle = {"CPU": rt.cpus_per_worker} | (
         {"GPU": rt.gpus_per_worker} if rt.gpus_per_worker else {}
     )
-    check_resources(ray, {k: v * n for k, v in bundle.items()}, f"{n} rollout workers")
-    pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-    await pg.ready()
+    pg = await place(ray, [dict(bundle) for _ in range(n)], f"{n} rollout workers")
     remote_cls = ray.remote(RolloutWorker)
     cfg_dict = to_dict(cfg)
 
@@ -308,7 +336,7 @@ async def start_workers(
     slots = [_Slot(make_actor(i, shares[i], version), i, shares[i]) for i in range(n)]
     await asyncio.gather(*(s.actor.start.remote() for s in slots))
     eval_size = await slots[0].actor.eval_size.remote()
-    return RayRunner(ray, slots, make_actor, int(eval_size), version=version)
+    return RayRunner(ray, slots, make_actor, int(eval_size), version=version, pg=pg)
 
 
 @contextlib.asynccontextmanager

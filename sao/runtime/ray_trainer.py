@@ -27,7 +27,7 @@ import torch
 
 from sao.config import Config, to_dict, validate
 from sao.envs.base import Task
-from sao.runtime.ray_backend import check_resources, init_ray
+from sao.runtime.ray_backend import init_ray, place
 from sao.types import SamplingParams, Trajectory
 
 __all__ = ["RayTrainerGroup", "TrainerRank", "TrainerRankError"]
@@ -144,21 +144,18 @@ def _free_port() -> int:
 class RayTrainerGroup:
     """The driver's handle on the trainer ranks (duck-types ``Trainer.step``)."""
 
-    def __init__(self, ray: Any, ranks: list[Any]) -> None:
-        self.ray, self.ranks = ray, ranks
+    def __init__(self, ray: Any, ranks: list[Any], pg: Any = None) -> None:
+        self.ray, self.ranks, self.pg = ray, ranks, pg
 
     @classmethod
     async def start(cls, cfg: Config, start_dir: Path | None, task: Task | None) -> RayTrainerGroup:
         ray = init_ray(cfg)
-        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         rt = cfg.runtime
         n = rt.trainer_ranks
         bundle = {"CPU": rt.cpus_per_rank} | ({"GPU": rt.gpus_per_rank} if rt.gpus_per_rank else {})
-        check_resources(ray, {k: v * n for k, v in bundle.items()}, f"{n} trainer ranks")
-        pg = placement_group([dict(bundle) for _ in range(n)], strategy="PACK")
-        await pg.ready()
+        pg = await place(ray, [dict(bundle) for _ in range(n)], f"{n} trainer ranks")
         master = f"{ray.util.get_node_ip_address()}:{_free_port()}"
         remote_cls = ray.remote(TrainerRank)
         actors = [
@@ -171,7 +168,7 @@ class RayTrainerGroup:
             ).remote(to_dict(cfg), i, n, master)
             for i in range(n)
         ]
-        group = cls(ray, actors)
+        group = cls(ray, actors, pg)
         await group._all("start", str(start_dir) if start_dir else None, task)
         return group
 
@@ -218,3 +215,8 @@ class RayTrainerGroup:
     def close(self) -> None:
         for a in self.ranks:
             self.ray.kill(a)
+        if self.pg is not None:  # give the bundles back to the cluster
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self.pg)
+            self.pg = None

@@ -48,6 +48,7 @@ def _kill_one_worker_after(metrics: Path, step: int) -> threading.Thread:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 def test_ray_rollout_workers_learn_and_survive_a_dead_worker(
     tmp_path: Path, tiny_policy: Path
 ) -> None:
