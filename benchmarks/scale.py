@@ -1,6 +1,7 @@
 """Local vs Ray backend on this machine: the same `sao train` run (calc-tiny,
-SAO) with rollouts in this process and with rollouts in Ray rollout-worker
-actors, side by side in one invocation. Prints trajectories/s, the trainer's
+SAO) in one process, and with rollouts in Ray rollout-worker actors and the
+trainer in one or two FSDP2 trainer-rank actors, side by side in one
+invocation. Prints trajectories/s, the trainer's
 step time and the weight-publish time per step (means over the actor steps
 after the first 5), and the Ray/local ratios.
 
@@ -71,13 +72,12 @@ def main() -> None:
                 r = run(args, f"gpu{n}", ["runtime.backend=ray", "model.device=cuda", *ray], root)
                 print(f"{n} GPU(s): {r['tokens_per_s'] / n:.0f} tokens/s per GPU")
             return
+        ray = ["runtime.backend=ray", f"runtime.rollout_workers={args.workers}"]
         results = {
             "local": run(args, "local", [], root),
-            f"ray ({args.workers} workers)": run(
-                args,
-                "ray",
-                ["runtime.backend=ray", f"runtime.rollout_workers={args.workers}"],
-                root,
+            f"ray {args.workers}w 1 rank": run(args, "ray1", ray, root),
+            f"ray {args.workers}w 2 ranks": run(
+                args, "ray2", [*ray, "runtime.trainer_ranks=2"], root
             ),
         }
     base = results["local"]

@@ -80,3 +80,21 @@ def test_too_small_a_cluster_says_what_is_missing(tmp_path: Path, tiny_policy: P
             "runtime.rollout_workers=8",
             "runtime.cpus_per_worker=1",
         )
+
+
+def test_ray_backend_without_ray_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from sao.config import ConfigError
+    from sao.runtime.ray_backend import _ray
+
+    real_import = builtins.__import__
+
+    def no_ray(name: str, *args: object, **kwargs: object) -> object:
+        if name == "ray":
+            raise ImportError("No module named 'ray'")
+        return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(builtins, "__import__", no_ray)
+    with pytest.raises(ConfigError, match=r"pip install 'sao\[ray\]'"):
+        _ray()
