@@ -55,14 +55,20 @@ class EngineRouter:
         self.failures: list[str] = []
         self._affinity: OrderedDict[str, int] = OrderedDict()
 
+    def _live(self) -> list[Engine]:
+        live = [e for e, ok in zip(self.engines, self.alive, strict=True) if ok]
+        if not live:
+            raise NoLiveEngineError("no live rollout engine is left: " + "; ".join(self.failures))
+        return live
+
     @property
     def version(self) -> int:
-        return min(e.version for e, ok in zip(self.engines, self.alive, strict=True) if ok)
+        return min(e.version for e in self._live())
 
     @property
     def weight_sources(self) -> tuple[type, ...]:
         """The first engine's kinds that every live engine accepts."""
-        live = [e for e, ok in zip(self.engines, self.alive, strict=True) if ok]
+        live = self._live()
         return tuple(k for k in live[0].weight_sources if all(k in e.weight_sources for e in live))
 
     @property

@@ -188,3 +188,16 @@ def test_an_unreachable_server_is_a_setup_error() -> None:
             await client.aclose()
 
     asyncio.run(go())
+
+
+def test_with_every_engine_dead_each_call_names_the_failures() -> None:
+    async def go() -> None:
+        async with farm_router(1) as (farm, router):
+            await farm.kill(0)
+            with pytest.raises(NoLiveEngineError):
+                await router.generate(PROMPT, SamplingParams(max_new_tokens=2))
+            for read in (lambda: router.version, lambda: router.weight_sources):
+                with pytest.raises(NoLiveEngineError, match=farm.urls[0]):
+                    read()
+
+    asyncio.run(go())
