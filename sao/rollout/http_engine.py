@@ -28,7 +28,7 @@ import contextlib
 import json
 import time
 from collections.abc import Awaitable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -136,7 +136,7 @@ class _HttpEngine:
             epoch, version = self._epoch, self._version
             left = sampling.max_new_tokens - len(tokens)
             seed = None if sampling.seed is None else sampling.seed + 7919 * len(tokens)
-            params = _replace(sampling, max_new_tokens=left, seed=seed)
+            params = replace(sampling, max_new_tokens=left, seed=seed)
             part = await self._complete(prompt + tokens, params)
             tokens += part.token_ids
             logps += part.logprobs
@@ -317,12 +317,6 @@ class _HttpEngine:
 
     async def _receive(self, source: BroadcastWeights) -> None:
         raise NotImplementedError
-
-
-def _replace(sampling: SamplingParams, **changes: Any) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(sampling, **changes)
 
 
 def _local_identity(root: str) -> ModelIdentity | None:

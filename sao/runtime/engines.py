@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import copy
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -83,6 +83,59 @@ def make_publish(
 
 
 @contextlib.asynccontextmanager
+async def configured_servers(
+    cfg: Config, policy: PreTrainedModel, model_dir: Path, run_dir: Path
+) -> AsyncIterator[list[str]]:
+    """The servers' URLs: ``rollout.servers``, or ``rollout.launch`` local
+    servers started on ``model_dir`` (stopped on exit)."""
+    r = cfg.rollout
+    if not r.launch:
+        yield list(r.servers)
+        return
+    async with launch_servers(
+        r.engine,
+        str(model_dir),
+        r.launch,
+        log_dir=run_dir / "servers",
+        timeout_s=r.server_timeout_s,
+        python=_server_python(cfg),
+        max_seq_len=context_window(policy, r.max_total_tokens),
+        max_batch_size=r.max_batch_size,
+        dtype=_dtype_name(policy),
+        device=next(policy.parameters()).device.type,
+        extra=r.server_args,
+    ) as servers:
+        yield [s.url for s in servers]
+
+
+async def connect_servers(
+    cfg: Config, urls: Sequence[str], version: int, model_dir: Path, model_config: object
+) -> EngineRouter:
+    """One client per URL, each checked against the trainer's model, behind a router."""
+    r = cfg.rollout
+    clients: list[VLLMEngine | SGLangEngine] = [
+        SGLangEngine(url, version=version, request_timeout_s=r.request_timeout_s)
+        if r.engine == "sglang"
+        else VLLMEngine(
+            url,
+            version=version,
+            request_timeout_s=r.request_timeout_s,
+            # servers sao launched load its worker extension; given ones may not
+            refresh_tied_head=r.engine == "vllm" and bool(r.launch),
+        )
+        for url in urls
+    ]
+    router = EngineRouter(clients, names=list(urls))
+    identity = ModelIdentity.from_config(model_dir, model_config)
+    try:
+        await asyncio.gather(*(c.connect(identity, r.server_timeout_s) for c in clients))
+    except BaseException:
+        await router.aclose()
+        raise
+    return router
+
+
+@contextlib.asynccontextmanager
 async def open_rollout_engine(
     cfg: Config,
     policy: PreTrainedModel,
@@ -112,40 +165,10 @@ async def open_rollout_engine(
             await engine.aclose()
         return
     async with contextlib.AsyncExitStack() as stack:
-        urls = list(r.servers)
-        if r.launch:
-            servers = await stack.enter_async_context(
-                launch_servers(
-                    r.engine,
-                    str(model_dir),
-                    r.launch,
-                    log_dir=run_dir / "servers",
-                    timeout_s=r.server_timeout_s,
-                    python=_server_python(cfg),
-                    max_seq_len=context_window(policy, r.max_total_tokens),
-                    max_batch_size=r.max_batch_size,
-                    dtype=_dtype_name(policy),
-                    device=device.type,
-                    extra=r.server_args,
-                )
-            )
-            urls = [s.url for s in servers]
-        clients: list[VLLMEngine | SGLangEngine] = [
-            SGLangEngine(url, version=version, request_timeout_s=r.request_timeout_s)
-            if r.engine == "sglang"
-            else VLLMEngine(
-                url,
-                version=version,
-                request_timeout_s=r.request_timeout_s,
-                # servers sao launched load its worker extension; given ones may not
-                refresh_tied_head=r.engine == "vllm" and bool(r.launch),
-            )
-            for url in urls
-        ]
-        router = EngineRouter(clients, names=urls)
+        urls = await stack.enter_async_context(configured_servers(cfg, policy, model_dir, run_dir))
+        router = await connect_servers(cfg, urls, version, model_dir, policy.config)
         stack.push_async_callback(router.aclose)
-        identity = ModelIdentity.from_config(model_dir, policy.config)
-        await asyncio.gather(*(c.connect(identity, r.server_timeout_s) for c in clients))
+        clients = router.engines
         group = None
         if r.weight_transfer == "broadcast":
             group = WeightGroup(

@@ -135,19 +135,17 @@ class RolloutWorker:
 
     async def start(self) -> int:
         """Build the task, tokenizer and engine (on the worker's event loop)."""
-        from sao.models.loading import load_policy, load_tokenizer
-        from sao.rollout.http_engine import ModelIdentity, SGLangEngine, VLLMEngine
-        from sao.rollout.router import EngineRouter
+        from sao.models.loading import load_config, load_policy, load_tokenizer
         from sao.rollout.torch_engine import TorchEngine
-        from sao.runtime.engines import context_window
+        from sao.runtime.engines import connect_servers, context_window
         from sao.runtime.run import build_limits, build_task
         from sao.runtime.runner import LocalRunner
 
         cfg, r = self.cfg, self.cfg.rollout
         task = self.task_obj if self.task_obj is not None else build_task(cfg)
         tokenizer = load_tokenizer(self.model_dir)
-        policy = load_policy(self.model_dir)
         if r.engine == "torch":
+            policy = load_policy(self.model_dir)
             self.engine = TorchEngine(
                 policy,
                 max_batch_size=r.max_batch_size,
@@ -158,14 +156,9 @@ class RolloutWorker:
                 recompute_kv_on_update=r.recompute_kv_on_update,
             )
         else:
-            cls = SGLangEngine if r.engine == "sglang" else VLLMEngine
-            clients = [
-                cls(u, version=self.version, request_timeout_s=r.request_timeout_s)
-                for u in self.servers
-            ]
-            identity = ModelIdentity.from_config(self.model_dir, policy.config)
-            await asyncio.gather(*(c.connect(identity, r.server_timeout_s) for c in clients))
-            self.engine = EngineRouter(clients, names=self.servers)
+            self.engine = await connect_servers(
+                cfg, self.servers, self.version, Path(self.model_dir), load_config(self.model_dir)
+            )
         self.runner = LocalRunner(task, self.engine, tokenizer, build_limits(cfg))
         return os.getpid()
 
@@ -353,31 +346,15 @@ async def open_ray_rollout(
     function that publishes the trainer's weights to them; torn down on exit.
     ``weights()`` gives an object-store reference to the policy's state dict
     (the trainer ranks'); ``policy`` is only read for its config."""
-    from sao.rollout.launch import launch_servers
     from sao.rollout.weights import write_weights
-    from sao.runtime.engines import context_window
+    from sao.runtime.engines import configured_servers
 
     r = cfg.rollout
     weights_dir = Path(r.weights_dir) if r.weights_dir else run_dir / "weights"
     async with contextlib.AsyncExitStack() as stack:
-        urls = list(r.servers)
-        if r.launch:
-            servers = await stack.enter_async_context(
-                launch_servers(
-                    r.engine,
-                    str(model_dir),
-                    r.launch,
-                    log_dir=run_dir / "servers",
-                    timeout_s=r.server_timeout_s,
-                    python=r.server_python,
-                    max_seq_len=context_window(policy, r.max_total_tokens),  # type: ignore[arg-type]
-                    max_batch_size=r.max_batch_size,
-                    dtype=str(next(policy.parameters()).dtype).removeprefix("torch."),
-                    device="cpu",
-                    extra=r.server_args,
-                )
-            )
-            urls = [s.url for s in servers]
+        urls = await stack.enter_async_context(
+            configured_servers(cfg, policy, model_dir, run_dir)  # type: ignore[arg-type]
+        )
         runner = await start_workers(cfg, str(model_dir), task, urls, version)
         stack.push_async_callback(runner.close)
 

@@ -8,10 +8,10 @@ checkpoint, export the final policy."""
 from __future__ import annotations
 
 import asyncio
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from sao.models.cache import atomic_dir
 from sao.rollout.check import LogprobReport, score_trajectories
 from sao.types import SamplingParams, Trajectory
 
@@ -81,12 +81,9 @@ class LocalTrainer:
 
     async def export(self, directory: Path) -> None:
         def write() -> None:
-            tmp = directory.parent / f".{directory.name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            self.p.policy.save_pretrained(tmp)
-            self.p.tokenizer.save_pretrained(tmp)
-            shutil.rmtree(directory, ignore_errors=True)
-            tmp.rename(directory)
+            with atomic_dir(directory) as tmp:
+                self.p.policy.save_pretrained(tmp)
+                self.p.tokenizer.save_pretrained(tmp)
 
         await asyncio.to_thread(write)
 
