@@ -233,7 +233,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         metavar="RUN_DIR",
-        help="continue a run from its last checkpoint (extend it with --set train.steps=N)",
+        help="continue a run from its newest intact checkpoint, or start it over when it "
+        "stopped before its first (extend it with --set train.steps=N)",
     )
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="held-out success of a run directory or checkpoint")
@@ -303,7 +304,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _one_line(e: BaseException) -> str:
-    """The message on one line: ``"invalid config: a: why; b: why"``."""
+    """The message on one line: ``"invalid config: a: why; b: why"``. An error
+    raised in a Ray actor (a trainer rank) arrives wrapped with the actor's
+    traceback in its text; its ``cause`` is the error itself."""
+    cause = getattr(e, "cause", None)
+    e = cause if isinstance(cause, BaseException) else e
     first, *rest = [x.strip() for x in str(e).splitlines() if x.strip()] or [type(e).__name__]
     return " ".join([first, "; ".join(rest)]) if rest else first
 
@@ -320,10 +325,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
 def _stopped_errors() -> tuple[type[Exception], ...]:
     """A run that stopped itself with an explanation (e.g. diverged to NaN)."""
     from sao.rollout.router import NoLiveEngineError
+    from sao.runtime.orchestrator import RunStopped
     from sao.runtime.ray_trainer import TrainerRankError
     from sao.train.trainer import NonFiniteError
 
-    return (NonFiniteError, NoLiveEngineError, TrainerRankError)
+    return (NonFiniteError, NoLiveEngineError, TrainerRankError, RunStopped)
 
 
 if __name__ == "__main__":

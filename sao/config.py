@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import difflib
 import re
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import fields as dc_fields
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     ConfigDict,
+    Field,
+    FiniteFloat,
     NonNegativeFloat,
     NonNegativeInt,
     PositiveFloat,
@@ -31,23 +31,22 @@ from pydantic import (
 )
 
 from sao.algo.presets import AlgoPreset, Correction, Reduction, Truncation, get_preset
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover
-    import tomli as tomllib
-
-
-class ConfigError(ValueError):
-    """A configuration mistake the user can fix; the message says how."""
+from sao.config_sources import ConfigError, parse_override, read_file  # (also sao.config's API)
 
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
 
+_FINITE = ConfigDict(allow_inf_nan=False)
+"""Merged into a section's config: its float fields reject nan and +-inf (YAML ``.inf``,
+``1e400``), which would otherwise pass ``> 0`` checks and fail (or hang) later."""
+
+
 class ModelConfig(_Section):
     """Which policy (and critic) to train."""
+
+    model_config = _FINITE
 
     path: str | None = None
     """Local Hugging Face checkpoint directory of the policy. None: build (or reuse from
@@ -60,7 +59,7 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Training and rollout dtype of the weights; auto: bfloat16 on CUDA, float32 on CPU.
     Log-probabilities, values and losses are computed in float32 either way."""
-    tiny_size: str = "1m"
+    tiny_size: Literal["0.1m", "0.5m", "1m", "2m", "5m"] = "1m"
     """Size of the tiny policy built when ``path`` is None (0.1m, 0.5m, 1m, 2m, 5m)."""
 
     @field_validator("device")
@@ -76,6 +75,8 @@ class ModelConfig(_Section):
 class TaskConfig(_Section):
     """What the policy acts in."""
 
+    model_config = _FINITE
+
     name: str = "calculator"
     """Built-in task (calculator, guess_number, style_shift, python_tool, reasoning_gym,
     dataset)."""
@@ -90,11 +91,21 @@ class TaskConfig(_Section):
     latency_max_s: PositiveFloat = 5.0
     """Cap of one simulated latency draw, seconds."""
 
+    @model_validator(mode="after")
+    def _cap_above_median(self) -> TaskConfig:
+        if self.latency != "none" and self.latency_max_s < self.latency_median_s:
+            raise ValueError(
+                f"latency_max_s ({self.latency_max_s}) must be >= latency_median_s "
+                f"({self.latency_median_s})"
+            )
+        return self
+
 
 class AlgoConfig(_Section):
     """An algorithm preset plus field overrides; ``algo = "grpo"`` is shorthand for
     ``algo.preset = "grpo"``."""
 
+    model_config = _FINITE
     preset: str = "sao"
     """Algorithm preset: sao, grpo, grpo_dis, sao_dis_only, vapo, running_mean, step_average,
     step_last_token, dapo, dr_grpo, gspo, cispo, rloo, reinforce_pp, ppo."""
@@ -112,7 +123,7 @@ class AlgoConfig(_Section):
     """Override: K critic optimizer steps per actor step."""
     freeze_critic_attention: bool | None = None
     """Override: freeze the critic's attention parameters."""
-    critic_pretrain_steps: int | None = None
+    critic_pretrain_steps: NonNegativeInt | None = None
     """Override: critic-only warm-up steps before RL."""
     value_clip: float | None = None
     """Override: PPO-style value clipping width of the critic loss."""
@@ -124,7 +135,7 @@ class AlgoConfig(_Section):
     """Override: how length-truncated episodes are treated."""
     whiten_advantages: bool | None = None
     """Override: normalise advantages over the batch."""
-    running_mean_window: int | None = None
+    running_mean_window: PositiveInt | None = None
     """Override: running-mean baseline window."""
     running_mean_per_prompt: bool | None = None
     """Override: running mean per prompt (False: one global window)."""
@@ -141,20 +152,23 @@ class AlgoConfig(_Section):
         changes = {k: v for k, v in self if k != "preset" and v is not None}
         try:
             return get_preset(self.preset).with_(**changes)
-        except ValueError as e:
-            raise ConfigError(f"algo: {e}") from None
+        except ValueError as e:  # "eps_low must be ..." names the field: algo.eps_low
+            named = str(e).split(" ", 1)[0] in type(self).model_fields
+            raise ConfigError(f"algo.{e}" if named else f"algo: {e}") from None
 
 
 class RolloutConfig(_Section):
     """How episodes are generated."""
 
+    model_config = _FINITE
+
     in_flight: PositiveInt = 32
     """Episodes kept running concurrently by the rollout workers."""
     temperature: PositiveFloat = 1.0
     """Sampling temperature (the trainer applies the same)."""
-    top_p: float = 1.0
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     """Nucleus sampling; < 1 makes the trainer's log-probs differ from the engine's."""
-    top_k: int = 0
+    top_k: NonNegativeInt = 0
     """Top-k sampling (0 = off); > 0 makes the trainer's log-probs differ."""
     max_new_tokens: PositiveInt = 32
     """Tokens per assistant turn."""
@@ -163,7 +177,17 @@ class RolloutConfig(_Section):
     max_total_tokens: PositiveInt = 320
     """Whole-episode token budget (prompt, actions, observations)."""
     step_timeout_s: PositiveFloat = 10.0
-    """Deadline of one environment step; an episode past it ends as 'timeout'."""
+    """Deadline of one environment step (also of reset, and of the longest stretch an
+    environment may block the event loop); an episode past it ends as 'timeout'."""
+    max_observation_tokens: PositiveInt | None = 4096
+    """Most tokens of one observation after the first; longer ones are cut with a marker
+    (counted in ``episodes/observations_truncated``). None: no cap."""
+    failure_reward: Literal["drop"] | FiniteFloat = "drop"
+    """What an episode that failed (``env_error``, ``timeout``, ``error``) trains as:
+    ``drop`` (never trained; a GRPO group with a failed member is dropped whole) or this
+    outcome reward in place of its score. Never its own score."""
+    max_failures_in_a_row: PositiveInt = 100
+    """Stop the run after this many failed episodes in a row (a broken task or engine)."""
     max_batch_size: PositiveInt = 64
     """Engine decode slots (continuous batching)."""
     recompute_kv_on_update: bool = False
@@ -198,6 +222,8 @@ class RolloutConfig(_Section):
 class TrainConfig(_Section):
     """Optimisation."""
 
+    model_config = _FINITE
+
     steps: PositiveInt = 60
     """Actor steps (critic-only warm-up steps, ``algo.critic_pretrain_steps``, come on top)."""
     batch_size: PositiveInt = 32
@@ -213,7 +239,8 @@ class TrainConfig(_Section):
     token_budget: PositiveInt = 8192
     """Micro-batch size in tokens (padded B*T) for forward/backward."""
     max_bad_steps: PositiveInt = 3
-    """Stop after this many consecutive steps with a NaN/inf loss or gradient (each is skipped)."""
+    """Stop after this many consecutive steps with a NaN/inf log-prob, value, loss, gradient
+    or update (each such update is skipped: the weights stay the last good ones)."""
     logprob_budget: NonNegativeFloat = 1e-3
     """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables)."""
 
@@ -221,8 +248,14 @@ class TrainConfig(_Section):
 class RuntimeConfig(_Section):
     """How far rollouts may run ahead of the trainer, and where things run."""
 
+    model_config = _FINITE
+
     max_lag: NonNegativeInt = 4
     """Staleness bound in versions; 0 = synchronous training."""
+    watchdog_s: NonNegativeFloat = 900.0
+    """Stop the run, saying what each episode in flight is waiting on, when no episode
+    finishes and no step completes for this long (0: off). Raise it for steps or
+    evaluations that take longer."""
     backend: Literal["local", "ray"] = "local"
     """``local``: everything in this process. ``ray``: rollout workers are Ray actors
     (needs `pip install 'sao[ray]'`); the orchestrator stays in this process."""
@@ -242,9 +275,19 @@ class RuntimeConfig(_Section):
     gpus_per_rank: NonNegativeFloat = 0.0
     """GPUs per trainer rank (backend=ray; 1 for a GPU trainer, with model.device=cuda)."""
 
+    @field_validator("cpus_per_worker", "gpus_per_worker", "cpus_per_rank", "gpus_per_rank")
+    @classmethod
+    def _ray_quantity(cls, v: float) -> float:
+        # Ray refuses a nonzero resource below its precision when it places the actors
+        if 0 < v < 1e-4:
+            raise ValueError(f"{v} is below Ray's resource precision: use 0 or at least 0.0001")
+        return v
+
 
 class EvalConfig(_Section):
     """Held-out evaluation."""
+
+    model_config = _FINITE
 
     every: PositiveInt = 20
     """Evaluate held-out success every this many steps (and at the start and the end)."""
@@ -254,6 +297,8 @@ class EvalConfig(_Section):
 
 class LogConfig(_Section):
     """What a run writes."""
+
+    model_config = _FINITE
 
     run_dir: str | None = None
     """Run directory; None: runs/<task>-<preset>-<time>."""
@@ -267,6 +312,12 @@ class LogConfig(_Section):
     """Rich live view in the terminal."""
     checkpoint_every: PositiveInt = 20
     """Checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: NonNegativeInt = 3
+    """Keep this many newest checkpoints, deleting older ones once a new one is in
+    place (resume falls back to an older one when the newest is damaged); 0: keep all."""
+    ledger: bool = False
+    """Append each trained batch's prompt ids and each checkpoint's buffer to
+    ledger.jsonl (an audit trail: no trajectory trained twice or lost across resumes)."""
     plots: bool = True
     """PNG plots at the end of the run."""
 
@@ -274,7 +325,7 @@ class LogConfig(_Section):
 class Config(_Section):
     """Everything ``sao train`` needs."""
 
-    seed: int = 0
+    seed: int = Field(default=0, ge=0, lt=2**32)  # numpy's seed range
     """Seed of everything random (models, tasks, sampling)."""
     model: ModelConfig = ModelConfig()
     task: TaskConfig = TaskConfig()
@@ -354,13 +405,10 @@ def _check_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "
     """Reject unknown keys, naming the closest valid one."""
     valid = list(model.model_fields)
     for key, value in data.items():
-        if key not in model.model_fields:
-            hint = (
-                _suggest(key, valid).replace("'", "'" + prefix, 1)
-                if prefix
-                else _suggest(key, valid)
-            )
-            raise ConfigError(f"unknown config key {prefix + key!r}.{hint}")
+        if key not in model.model_fields:  # (YAML keys need not be strings: `1: x`)
+            hint = _suggest(str(key), valid)
+            hint = hint.replace("'", "'" + prefix, 1) if prefix else hint
+            raise ConfigError(f"unknown config key {prefix + str(key)!r}.{hint}")
         ann = model.model_fields[key].annotation
         if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(value, Mapping):
             _check_keys(ann, value, prefix + key + ".")
@@ -378,33 +426,6 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_override(item: str) -> dict[str, Any]:
-    """``"a.b=c"`` -> ``{"a": {"b": c}}`` with ``c`` parsed as a YAML scalar."""
-    if "=" not in item:
-        raise ConfigError(f"--set expects key=value, got {item!r} (e.g. --set train.steps=100)")
-    key, raw = item.split("=", 1)
-    value: Any = yaml.safe_load(raw) if raw.strip() else ""
-    out: dict[str, Any] = {}
-    node = out
-    parts = key.strip().split(".")
-    for part in parts[:-1]:
-        node = node.setdefault(part, {})
-    node[parts[-1]] = value
-    return out
-
-
-def read_file(path: str | Path) -> dict[str, Any]:
-    """A TOML (``.toml``) or YAML (``.yaml``/``.yml``) config file as a dict."""
-    p = Path(path)
-    if not p.is_file():
-        raise ConfigError(f"config file {str(p)!r} does not exist")
-    text = p.read_text()
-    data = tomllib.loads(text) if p.suffix == ".toml" else yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ConfigError(f"config file {str(p)!r} must hold a table of settings")
-    return data
-
-
 def load_config(
     preset: str | None = None,
     file: str | Path | None = None,
@@ -415,6 +436,10 @@ def load_config(
     if file is not None:
         from_file = read_file(file)
         preset = from_file.pop("preset", preset)
+        if preset is not None and not isinstance(preset, str):
+            raise ConfigError(
+                f"config file {str(file)!r}: preset must be a name, one of {', '.join(PRESETS)}"
+            )
         data = _merge(data, from_file)
     for item in overrides:
         data = _merge(data, parse_override(item))
@@ -422,7 +447,8 @@ def load_config(
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}.{_suggest(name, sorted(PRESETS))}")
     base = PRESETS[name]
-    task_name = (data.get("task") or {}).get("name")
+    task = data.get("task")
+    task_name = task.get("name") if isinstance(task, Mapping) else None
     if task_name is not None and task_name != base.get("task", {}).get("name", "calculator"):
         # another task: the preset's task options belong to its own task
         base = {k: v for k, v in base.items() if k != "task"}

@@ -19,17 +19,23 @@ from typing import Literal, Protocol, runtime_checkable
 import torch
 
 Role = Literal["system", "user", "assistant", "tool"]
-FinishReason = Literal["stop", "length", "env_error", "timeout"]
+FinishReason = Literal["stop", "length", "env_error", "timeout", "error"]
 """Why an episode ended: the policy stopped (``stop``), a token or turn limit
-was hit (``length``), the environment raised (``env_error``), or an environment
-step exceeded its deadline (``timeout``)."""
+was hit (``length``), the environment raised (``env_error``), an environment
+call exceeded its deadline or blocked the event loop (``timeout``), or the
+episode could not be played for another reason (``error``: the task's
+``make_env`` raised, the first prompt does not fit the token budget, the
+tokenizer failed, the engine failed)."""
 
 CompletionFinish = Literal["stop", "length", "aborted"]
 """Why one generation call ended: a stop token or string (``stop``), the
 ``max_new_tokens`` / context limit (``length``), or it was cancelled
 (``aborted``)."""
 
-FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "env_error", "timeout")
+FINISH_REASONS: tuple[FinishReason, ...] = ("stop", "length", "env_error", "timeout", "error")
+FAILURES: tuple[FinishReason, ...] = ("env_error", "timeout", "error")
+"""Finish reasons of failed episodes: never trained as their score
+(``rollout.failure_reward``)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +89,26 @@ class Env(Protocol):
     async def step(self, action: Action) -> StepResult: ...
 
     def score(self) -> float: ...
+
+
+@runtime_checkable
+class RestorableEnv(Protocol):
+    """An environment whose state survives a checkpoint (optional), so a
+    resumed run continues an episode that was in flight instead of starting
+    it again.
+
+    ``state_dict()`` is called between turns only: after ``reset``, or after
+    a ``step`` whose observation the agent loop appended, and before the next
+    reply. It returns JSON-serialisable data (str, numbers, bools, None,
+    lists, dicts with str keys). ``load_state_dict(state)`` on a fresh
+    environment of the same problem (``task.make_env(split, index)``, never
+    reset) must make every later ``step`` and ``score`` behave exactly as
+    they would have on the original.
+    """
+
+    def state_dict(self) -> dict[str, object]: ...
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None: ...
 
 
 @dataclass(frozen=True)

@@ -2,17 +2,19 @@
 :func:`sao.envs.sandbox.run_python` starts as ``python -I -S
 _sandbox_supervisor.py CONFIG_JSON``.
 
-It isolates itself (network namespace; mount namespace with every mount
-read-only and a size-limited tmpfs as the working directory), then forks the
-user's program, which drops to the sandbox uid, applies resource limits and
-execs ``python -I -u main.py``. The supervisor is a child subreaper, so every
-process the program starts stays in its subtree: when the program exits, or
-when the parent sends ``SIGUSR1`` (deadline) or dies, the supervisor kills the
-whole subtree, reaps it and writes a JSON report (isolation achieved, the
-program's wait status, processes killed) to ``config["report"]``.
+It makes the program's memory cgroup, enters new mount, network, IPC, UTS
+and pid namespaces and builds a minimal read-only root (``_sandbox_jail``),
+then forks an init process (pid 1 of the new pid namespace) that pivots into
+that root and forks the user's program. The program joins the cgroup, drops
+to the sandbox uid, applies resource limits and a seccomp filter
+(``_sandbox_limits``) and execs ``python -I -u main.py``. Without namespaces
+(refused, or not asked for) the supervisor forks the program directly.
 
-Each isolation step degrades gracefully where the kernel refuses it; the
-report says what was achieved.
+The supervisor is a child subreaper, so every process the program starts
+stays in its subtree: when the program exits, or when the parent sends
+``SIGUSR1`` (deadline) or dies, it kills the whole subtree, reaps it, removes
+the cgroup and writes a JSON report (isolation achieved, the program's wait
+status, processes killed, memory-limit kills) to ``config["report"]``.
 """
 
 from __future__ import annotations
@@ -20,26 +22,17 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import resource
 import signal
 import stat
 import sys
 import time
 
-CLONE_NEWNS = 0x00020000
-CLONE_NEWNET = 0x40000000
-MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT = 1, 2, 4, 8, 32
-MS_NOATIME, MS_NODIRATIME, MS_BIND, MS_MOVE, MS_REC = 1024, 2048, 4096, 8192, 16384
-MS_PRIVATE, MS_RELATIME = 1 << 18, 1 << 21
+sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # -I leaves it out; last, so
+# that nothing in this directory can shadow the standard library
+from _sandbox_jail import build_root, enter_namespaces, enter_root
+from _sandbox_limits import MemoryCgroup, apply_rlimits, install_seccomp
+
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
-_KEEP_FLAGS = {
-    "nosuid": MS_NOSUID,
-    "nodev": MS_NODEV,
-    "noexec": MS_NOEXEC,
-    "noatime": MS_NOATIME,
-    "nodiratime": MS_NODIRATIME,
-    "relatime": MS_RELATIME,
-}
 _NO_NETWORK_BOOT = """\
 import socket as _s, sys as _y
 class _Blocked(_s.socket):
@@ -71,18 +64,6 @@ def _on_stop(signum: int, frame: object) -> None:
     raise _Stop
 
 
-def _check(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _mount(src: str | None, target: str, fstype: str | None, flags: int, data: str = "") -> None:
-    enc = [None if s is None else s.encode() for s in (src, target, fstype)]
-    ret = _libc.mount(enc[0], enc[1], enc[2], ctypes.c_ulong(flags), data.encode() or None)
-    _check(ret, f"mount {target}")
-
-
 def _blocked_ancestor(path: str) -> str | None:
     """Highest ancestor of ``path`` that other users cannot traverse, if any."""
     parts = os.path.abspath(path).split("/")[1:]
@@ -98,89 +79,54 @@ def _blocked_ancestor(path: str) -> str | None:
     return None
 
 
-def _expose(paths: list[str], stash: str) -> bool:
-    """Make ``paths`` reachable by other users inside this mount namespace:
-    hide each blocking ancestor under a tmpfs and bind the paths back."""
-    groups: dict[str, list[str]] = {}
-    dirs = {os.path.realpath(p) for p in paths if os.path.exists(p)}
-    for p in sorted(d if os.path.isdir(d) else os.path.dirname(d) for d in dirs):
-        top = _blocked_ancestor(p)
-        if top is not None and not any(p.startswith(q + "/") for q in groups.get(top, [])):
-            groups.setdefault(top, []).append(p)
-    if not groups:
-        return True
-    if any(stash.startswith(top + "/") for top in groups):
-        return False
-    os.makedirs(stash, mode=0o700, exist_ok=True)
-    for top, subs in groups.items():
-        holders = []
-        for sub in subs:
-            holder = os.path.join(stash, str(len(os.listdir(stash))))
-            os.mkdir(holder, 0o700)
-            _mount(sub, holder, None, MS_BIND | MS_REC)
-            holders.append(holder)
-        _mount("tmpfs", top, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=64k")
-        for sub, holder in zip(subs, holders, strict=True):
-            os.makedirs(sub, mode=0o755, exist_ok=True)
-            _mount(holder, sub, None, MS_MOVE)
-    return True
-
-
-def _remount_read_only() -> int:
-    """Bind-remount every mount of this namespace read-only; returns failures."""
-    failures = 0
-    with open("/proc/self/mountinfo", encoding="utf-8") as f:
-        lines = f.read().splitlines()
-    for line in lines:
-        fields = line.split()
-        target = fields[4].encode().decode("unicode_escape")
-        flags = MS_REMOUNT | MS_BIND | MS_RDONLY
-        for opt in fields[5].split(","):
-            flags |= _KEEP_FLAGS.get(opt, 0)
-        try:
-            _mount(None, target, None, flags)
-        except OSError:
-            failures += 1
-    return failures
+def _open_cgroup(cfg: dict, report: dict) -> MemoryCgroup | None:
+    """The program's memory cgroup, where ``cfg["cgroup"]`` names a parent."""
+    spec = cfg["cgroup"]
+    if not spec["parent"]:
+        return None
+    try:
+        cgroup = MemoryCgroup(spec["parent"], f"sao-sandbox-{cfg['uid']}", spec["limit"])
+    except OSError as e:
+        report["cgroup_error"] = str(e)
+        return None
+    report["cgroup"] = True
+    return cgroup
 
 
 def _isolate(cfg: dict, report: dict) -> None:
-    """Enter new network and mount namespaces where the kernel allows it."""
-    report["drop_uid"] = os.geteuid() == 0 and all(
-        _blocked_ancestor(p) is None for p in cfg["needed_paths"]
-    )
-    if os.geteuid() != 0 or not cfg["namespaces"]:
-        return
-    for flags, fs in ((CLONE_NEWNS | CLONE_NEWNET, True), (CLONE_NEWNET, False)):
-        if _libc.unshare(ctypes.c_int(flags)) == 0:
-            report["network"], mount_ns = True, fs
-            break
-    else:
-        return
-    with open(os.path.join(cfg["work"], "main.py"), "rb") as f:
-        code = f.read()
-    if mount_ns:
+    """Enter namespaces and build the root where allowed; decide the uid."""
+    root = os.geteuid() == 0
+    if root and cfg["namespaces"] and enter_namespaces():
+        with open(os.path.join(cfg["work"], "main.py"), "rb") as f:
+            code = f.read()
         try:
-            _mount(None, "/", None, MS_REC | MS_PRIVATE)
-            report["drop_uid"] = _expose(cfg["needed_paths"], cfg["stash"])
-            report["mount_failures"] = _remount_read_only()
-            opts = f"size={cfg['disk_mb']}m,mode=0700,uid={cfg['uid']},gid={cfg['uid']}"
-            _mount("tmpfs", cfg["work"], "tmpfs", MS_NOSUID | MS_NODEV, opts)
-            with open(os.path.join(cfg["work"], "main.py"), "wb") as f:
-                f.write(code)
-            report["filesystem"] = True
-        except OSError as e:
-            report["isolation_error"] = str(e)
+            build_root(cfg, code)
+            report["namespaces"] = report["drop_uid"] = True
+            return
+        except OSError as e:  # the namespaces hold; the program is not started
+            report["refused"] = f"could not build the sandbox root: {e}"
+            return
+    report["drop_uid"] = root and all(_blocked_ancestor(p) is None for p in cfg["needed_paths"])
+    if root and not report["drop_uid"] and not cfg["allow_root"]:
+        report["refused"] = (
+            "without namespaces (not asked for, or refused by the kernel) the program "
+            "would run as root, as its interpreter lies under a directory other users "
+            "cannot enter; pass allow_root=True to accept that"
+        )
+    report["as_root"] = root and not report["drop_uid"]
 
 
-def _exec_program(cfg: dict, report: dict) -> None:
-    """In the forked child: drop privileges, apply limits, exec the program."""
+def _exec_program(cfg: dict, report: dict, cgroup: MemoryCgroup | None) -> None:
+    """In the forked child: join the cgroup, drop privileges, apply limits and
+    the seccomp filter, exec the program."""
     try:
         for sig in (signal.SIGPIPE, signal.SIGXFSZ, signal.SIGUSR1, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
+        if cgroup is not None:
+            cgroup.join()
         uid = cfg["uid"]
-        if report.get("drop_uid") and os.geteuid() == 0:
-            if not report["filesystem"]:
+        if report["drop_uid"] and os.geteuid() == 0:
+            if not report["namespaces"]:
                 for name in ("", "main.py"):
                     os.chown(os.path.join(cfg["work"], name), uid, uid)
             os.setgroups([])
@@ -188,22 +134,44 @@ def _exec_program(cfg: dict, report: dict) -> None:
             os.setresuid(uid, uid, uid)
         _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # the uid change cleared it
         os.chdir(cfg["work"])
-        lim = cfg["limits"]
-        for res, value in (
-            (resource.RLIMIT_CORE, 0),
-            (resource.RLIMIT_NPROC, lim["nproc"]),
-            (resource.RLIMIT_FSIZE, lim["fsize"]),
-            (resource.RLIMIT_CPU, lim["cpu"]),
-            (resource.RLIMIT_AS, lim["as"]),
-        ):
-            hard = value + 1 if res == resource.RLIMIT_CPU else value
-            resource.setrlimit(res, (value, hard))
+        apply_rlimits(cfg["limits"])
+        if report["seccomp"] and not install_seccomp(deny_memory=cgroup is None):
+            raise OSError("the seccomp filter was refused")
         argv = [cfg["python"], "-I", "-u"]
-        argv += ["main.py"] if report["network"] else ["-c", _NO_NETWORK_BOOT]
+        argv += ["main.py"] if report["namespaces"] else ["-c", _NO_NETWORK_BOOT]
         os.execve(cfg["python"], argv, cfg["env"])
     except BaseException as e:  # report and never return into the supervisor
         os.write(2, f"sandbox: could not start the program: {e}\n".encode())
     os._exit(126)
+
+
+def _start_init(cfg: dict, report: dict, cgroup: MemoryCgroup | None) -> tuple[int, int]:
+    """Fork pid 1 of the new pid namespace; returns its pid and the read end
+    of the pipe on which it reports the program's status."""
+    read_fd, write_fd = os.pipe()
+    pid = os.fork()
+    if pid != 0:
+        os.close(write_fd)
+        return pid, read_fd
+    try:
+        os.close(read_fd)
+        for sig in (signal.SIGUSR1, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)
+        _libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        enter_root(cfg["root"])
+        program = os.fork()
+        if program == 0:
+            _exec_program(cfg, report, cgroup)
+        statuses: dict[int, int] = {}
+        _wait_program(program, statuses)
+        _reap(statuses)
+        leftovers = sum(state != "Z" for pid, (_, state) in _process_table().items() if pid != 1)
+        status = {"status": statuses.get(program), "leftovers": leftovers}
+        os.write(write_fd, json.dumps(status).encode())
+    except BaseException as e:
+        os.write(2, f"sandbox: could not start the program: {e}\n".encode())
+        os._exit(126)
+    os._exit(0)  # the kernel now kills whatever is left in the pid namespace
 
 
 def _process_table() -> dict[int, tuple[int, str]]:
@@ -280,6 +248,41 @@ def _wait_program(pid: int, statuses: dict[int, int]) -> bool:
     return True
 
 
+def _run(cfg: dict, report: dict, cgroup: MemoryCgroup | None) -> None:
+    """Isolate, start the program and wait for it; fills ``report``."""
+    statuses: dict[int, int] = {}
+    pid, channel, finished = -1, -1, False
+    try:
+        _isolate(cfg, report)
+        if "refused" in report:
+            return
+        report["seccomp"] = cfg["seccomp"]
+        if report["namespaces"]:
+            pid, channel = _start_init(cfg, report, cgroup)
+        else:
+            pid = os.fork()
+            if pid == 0:
+                _exec_program(cfg, report, cgroup)
+        finished = _wait_program(pid, statuses)
+    except _Stop:
+        pass
+    finally:
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    killed = _kill_subtree(statuses)
+    report["stopped"] = not finished
+    report["leftovers"] = len(killed - {pid}) if finished else 0
+    report["status"] = statuses.get(pid)
+    if channel >= 0:
+        os.set_blocking(channel, False)
+        try:
+            from_init = json.loads(os.read(channel, 1 << 16) or b"{}")
+        except (OSError, ValueError):
+            from_init = {}
+        if finished and from_init.get("status") is not None:
+            report.update(from_init)
+
+
 def main() -> None:
     """Isolate, run the program, clean up every process, write the report."""
     cfg = json.loads(sys.argv[1])
@@ -289,25 +292,17 @@ def main() -> None:
     if os.getppid() != cfg["parent_pid"]:
         os._exit(125)
     _libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    report: dict = {"network": False, "filesystem": False, "drop_uid": False}
+    report: dict = {"namespaces": False, "seccomp": False, "cgroup": False, "drop_uid": False}
     report_fd = os.open(cfg["report"], os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
-    statuses: dict[int, int] = {}
-    pid = -1
-    finished = False
+    cgroup = None
     try:
-        _isolate(cfg, report)
-        pid = os.fork()
-        if pid == 0:
-            _exec_program(cfg, report)
-        finished = _wait_program(pid, statuses)
+        cgroup = _open_cgroup(cfg, report)
+        _run(cfg, report, cgroup)
     except _Stop:
         pass
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    killed = _kill_subtree(statuses)
-    report["stopped"] = not finished
-    report["leftovers"] = len(killed - {pid}) if finished else 0
-    report["status"] = statuses.get(pid)
+    if cgroup is not None:
+        report["oom_kills"] = cgroup.oom_kills()
+        report["cgroup_removed"] = cgroup.remove()
     os.write(report_fd, json.dumps(report).encode())
     os._exit(0)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal, Protocol, runtime_checkable
 
-from sao.types import Action, Env, Message, Observation, StepResult
+from sao.types import Action, Env, Message, Observation, RestorableEnv, StepResult
 
 __all__ = [
     "Action",
@@ -19,6 +19,7 @@ __all__ = [
     "Env",
     "Message",
     "Observation",
+    "RestorableEnv",
     "Split",
     "StepAware",
     "StepResult",

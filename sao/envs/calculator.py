@@ -30,9 +30,11 @@ from __future__ import annotations
 
 import random
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from sao.envs._split import draw_problem, split_of, stable_hash
+from sao.envs._state import expect_same, read, read_optional
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = ["EVAL_SHARE", "CalcError", "CalculatorEnv", "CalculatorTask", "evaluate", "solve_steps"]
@@ -271,6 +273,26 @@ class CalculatorEnv:
     def score(self) -> float:
         """1.0 iff the episode's answer equals the problem's value."""
         return 1.0 if self.answer is not None and self.answer == self.target else 0.0
+
+    def state_dict(self) -> dict[str, object]:
+        """The episode so far (``RestorableEnv``): counters, answer, done."""
+        return {
+            "problem": self.problem,
+            "calls": self.calls,
+            "turns": self.turns,
+            "wasted": self.wasted,
+            "answer": self.answer,
+            "done": self.done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue the episode :meth:`state_dict` recorded (same problem only)."""
+        expect_same(state, "problem", self.problem)
+        self.calls = read(state, "calls", int)
+        self.turns = read(state, "turns", int)
+        self.wasted = read(state, "wasted", int)
+        self.answer = read_optional(state, "answer", int)
+        self.done = read(state, "done", bool)
 
 
 class CalculatorTask:

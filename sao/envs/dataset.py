@@ -30,11 +30,12 @@ import numbers
 import random
 import re
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from sao.envs._split import stable_hash
+from sao.envs._state import expect_same, read, read_optional
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = [
@@ -279,6 +280,24 @@ class DatasetEnv:
     def score(self) -> float:
         """The reward computed at the reply (0.0 if there was none)."""
         return self.reward
+
+    def state_dict(self) -> dict[str, object]:
+        """The episode so far (``RestorableEnv``); the scorer is the task's."""
+        return {
+            "prompt": self.example.prompt_text,
+            "reference": self.example.answer,
+            "reward": self.reward,
+            "error": self.error,
+            "done": self.done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue the episode :meth:`state_dict` recorded (same example only)."""
+        expect_same(state, "prompt", self.example.prompt_text)
+        expect_same(state, "reference", self.example.answer)
+        self.reward = read(state, "reward", float)
+        self.error = read_optional(state, "error", str)
+        self.done = read(state, "done", bool)
 
 
 def _resolve_scorer(scorer: str | Scorer) -> Scorer:

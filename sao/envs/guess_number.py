@@ -31,8 +31,10 @@ from __future__ import annotations
 import math
 import random
 import re
+from collections.abc import Mapping
 
 from sao.envs._split import stable_hash
+from sao.envs._state import expect_same, read, read_list
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = ["GuessNumberEnv", "GuessNumberTask"]
@@ -112,6 +114,28 @@ class GuessNumberEnv:
     def score(self) -> float:
         """1.0 iff the hidden number was guessed within the turn budget."""
         return 1.0 if self.found else 0.0
+
+    def state_dict(self) -> dict[str, object]:
+        """The episode so far (``RestorableEnv``): counters, guesses, outcome."""
+        return {
+            "target": self.target,
+            "n": self.n,
+            "turns": self.turns,
+            "wasted": self.wasted,
+            "guesses": list(self.guesses),
+            "found": self.found,
+            "done": self.done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue the episode :meth:`state_dict` recorded (same problem only)."""
+        expect_same(state, "target", self.target)
+        expect_same(state, "n", self.n)
+        self.turns = read(state, "turns", int)
+        self.wasted = read(state, "wasted", int)
+        self.guesses = read_list(state, "guesses", int)
+        self.found = read(state, "found", bool)
+        self.done = read(state, "done", bool)
 
 
 class GuessNumberTask:

@@ -10,20 +10,28 @@ Delays (seconds, clipped to ``max_s``):
 The k-th env a wrapper makes (counting from 0) draws from a generator seeded
 by ``(seed, k)``, so a run that makes envs in the same order sees the same
 delays. Sleeping uses ``asyncio.sleep`` and never blocks the event loop.
+
+A wrapped env is a ``RestorableEnv`` exactly when the inner env is one: then
+it is a :class:`RestorableLatencyEnv`, whose state is its generator's state
+and delays plus the inner env's state; otherwise a plain :class:`LatencyEnv`,
+which has no ``state_dict`` at all (so ``isinstance(env, RestorableEnv)``
+stays truthful rather than claiming a state it cannot restore).
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Literal
 
 import numpy as np
 
-from sao.envs.base import Conversation, Env, Observation, Split, StepResult, Task
+from sao.envs._state import read, read_list
+from sao.envs.base import Conversation, Env, Observation, RestorableEnv, Split, StepResult, Task
 
-__all__ = ["Distribution", "LatencyEnv", "LatencyWrapper"]
+__all__ = ["Distribution", "LatencyEnv", "LatencyWrapper", "RestorableLatencyEnv"]
+_STATE_METHODS = ("state_dict", "load_state_dict")
 
 Distribution = Literal["lognormal", "exponential", "constant"]
 _DISTRIBUTIONS = ("lognormal", "exponential", "constant")
@@ -71,9 +79,52 @@ class LatencyEnv:
     def __getattr__(self, name: str) -> Any:
         # Expose the inner env's typed state (e.g. ``env.target``) for inspection;
         # ``Any`` because the attribute belongs to whichever env is wrapped.
-        if name.startswith("_") or name == "inner":
+        # Never the state methods: the inner env's state lacks this env's
+        # generator, so forwarding them would make a restore silently wrong.
+        if name.startswith("_") or name == "inner" or name in _STATE_METHODS:
             raise AttributeError(name)
         return getattr(self.inner, name)
+
+
+class RestorableLatencyEnv(LatencyEnv):
+    """A :class:`LatencyEnv` over a ``RestorableEnv``, itself restorable: its
+    state is the generator's state, the delays so far and the inner env's state."""
+
+    def __init__(
+        self,
+        inner: Env,
+        draw: Callable[[np.random.Generator], float],
+        rng: np.random.Generator,
+        sleep: Sleep,
+    ) -> None:
+        if not isinstance(inner, RestorableEnv):
+            raise TypeError(
+                f"RestorableLatencyEnv needs a RestorableEnv, got {type(inner).__name__} "
+                "(no state_dict/load_state_dict); wrap it in a plain LatencyEnv"
+            )
+        super().__init__(inner, draw, rng, sleep)
+        self._restorable = inner
+
+    def state_dict(self) -> dict[str, object]:
+        """The delays so far, the generator's state and the inner env's state."""
+        return {
+            "delays": list(self.delays),
+            "rng": dict(self._rng.bit_generator.state),
+            "inner": self._restorable.state_dict(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue the delays and the inner episode :meth:`state_dict` recorded."""
+        delays = read_list(state, "delays", float)
+        inner = read(state, "inner", dict)
+        generator = self._rng.bit_generator
+        try:
+            generator.state = read(state, "rng", dict)
+        except (KeyError, TypeError) as err:  # numpy's own errors for a malformed state
+            name = type(generator).__name__
+            raise ValueError(f"env state 'rng': not a {name} state ({err!r})") from err
+        self._restorable.load_state_dict(inner)
+        self.delays = delays
 
 
 class LatencyWrapper:
@@ -82,7 +133,8 @@ class LatencyWrapper:
     Forwards ``name``, ``eval_size`` and ``demonstrations``; any other
     attribute (``set_train_step``, ``make_eval_env``, ...) is the inner task's,
     so the wrapper is ``StepAware`` exactly when the inner task is. Envs from
-    ``make_eval_env`` are wrapped too; :meth:`wrap_env` wraps any other env.
+    ``make_eval_env`` are wrapped too; :meth:`wrap_env` wraps any other env,
+    as a :class:`RestorableLatencyEnv` when it is a ``RestorableEnv``.
     ``sleep`` replaces ``asyncio.sleep`` (for tests).
     """
 
@@ -140,7 +192,8 @@ class LatencyWrapper:
         """Wrap ``env``; it draws from the next stream ``(seed, envs_made)``."""
         rng = np.random.default_rng([self.seed, self.envs_made])
         self.envs_made += 1
-        return LatencyEnv(env, self.draw, rng, self._sleep)
+        cls = RestorableLatencyEnv if isinstance(env, RestorableEnv) else LatencyEnv
+        return cls(env, self.draw, rng, self._sleep)
 
     def make_env(self, split: Split, index: int) -> LatencyEnv:
         """The inner task's env for ``(split, index)``, delayed."""

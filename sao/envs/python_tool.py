@@ -33,10 +33,11 @@ from __future__ import annotations
 import random
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sao.envs._split import draw_problem, split_of, stable_hash
+from sao.envs._state import expect_same, read, read_optional
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 from sao.envs.sandbox import SandboxResult, run_python
 
@@ -171,6 +172,7 @@ class PythonToolEnv:
         obs_chars: int,
         wall_s: float,
         memory_mb: int,
+        allow_root: bool = False,
     ) -> None:
         self.problem = problem
         self.max_turns = max_turns
@@ -178,11 +180,14 @@ class PythonToolEnv:
         self.obs_chars = obs_chars
         self.wall_s = wall_s
         self.memory_mb = memory_mb
+        self.allow_root = allow_root
         self.turns = 0
         self.runs = 0
         self.wasted = 0
         self.answer: str | None = None
         self.done = False
+        self.sandbox = ""
+        """Isolation level of the last sandbox run (``Isolation.level``), or ""."""
 
     def first_messages(self) -> list[Message]:
         """The problem, after the system message if enabled."""
@@ -210,7 +215,12 @@ class PythonToolEnv:
         if self.answer is not None or self.turns >= self.max_turns:
             self.done = True
             obs = None
-        info = {"runs": self.runs, "turns": self.turns, "wasted": self.wasted}
+        info: dict[str, int | str] = {
+            "runs": self.runs,
+            "turns": self.turns,
+            "wasted": self.wasted,
+            "sandbox": self.sandbox,
+        }
         return StepResult(obs, done=self.done, info=info)
 
     async def _respond(self, action: str) -> str | None:
@@ -228,10 +238,15 @@ class PythonToolEnv:
         self.runs += 1
         try:
             result = await run_python(
-                arg, wall_s=self.wall_s, cpu_s=max(1, round(self.wall_s)), memory_mb=self.memory_mb
+                arg,
+                wall_s=self.wall_s,
+                cpu_s=max(1, round(self.wall_s)),
+                memory_mb=self.memory_mb,
+                allow_root=self.allow_root,
             )
         except (OSError, ValueError) as err:  # the sandbox itself failed, not the program
             return f"(sandbox error: {err})"
+        self.sandbox = result.isolation.level
         return tool_observation(result, self.obs_chars)
 
     def _waste(self, hint: str) -> str:
@@ -244,13 +259,38 @@ class PythonToolEnv:
             return 0.0
         return 1.0 if normalize(self.answer) == normalize(self.problem.answer) else 0.0
 
+    def state_dict(self) -> dict[str, object]:
+        """The episode so far (``RestorableEnv``): counters, answer, done and
+        the last sandbox level. Every ``run`` starts a fresh interpreter, so
+        no program state outlives its step and none needs saving."""
+        return {
+            "problem": self.problem.text,
+            "turns": self.turns,
+            "runs": self.runs,
+            "wasted": self.wasted,
+            "answer": self.answer,
+            "done": self.done,
+            "sandbox": self.sandbox,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue the episode :meth:`state_dict` recorded (same problem only)."""
+        expect_same(state, "problem", self.problem.text)
+        self.turns = read(state, "turns", int)
+        self.runs = read(state, "runs", int)
+        self.wasted = read(state, "wasted", int)
+        self.answer = read_optional(state, "answer", str)
+        self.done = read(state, "done", bool)
+        self.sandbox = read(state, "sandbox", str)
+
 
 class PythonToolTask:
     """Exact-answer arithmetic and string problems solved with a Python tool.
 
     Options: ``kinds`` (a subset of :data:`KINDS`), ``max_turns`` replies per
     episode, ``obs_chars`` characters of tool output shown, the sandbox's
-    ``wall_s`` and ``memory_mb``, ``system`` for a system message describing
+    ``wall_s``, ``memory_mb`` and ``allow_root`` (see
+    :func:`sao.envs.sandbox.run_python`), ``system`` for a system message describing
     the format, ``error_rate`` the share of demonstrations with a deliberate
     mistake (buggy program, guess, miscopied answer) or a crash-and-retry.
     """
@@ -266,6 +306,7 @@ class PythonToolTask:
         obs_chars: int = 200,
         wall_s: float = 5.0,
         memory_mb: int = 256,
+        allow_root: bool = False,
         eval_size: int = 200,
         error_rate: float = 0.3,
         system: bool = False,
@@ -280,7 +321,7 @@ class PythonToolTask:
         self.seed = seed
         self.kinds = tuple(kinds)
         self.max_turns, self.obs_chars = max_turns, obs_chars
-        self.wall_s, self.memory_mb = wall_s, memory_mb
+        self.wall_s, self.memory_mb, self.allow_root = wall_s, memory_mb, allow_root
         self._eval_size = eval_size
         self.error_rate = error_rate
         self.system = system
@@ -314,6 +355,7 @@ class PythonToolTask:
             obs_chars=self.obs_chars,
             wall_s=self.wall_s,
             memory_mb=self.memory_mb,
+            allow_root=self.allow_root,
         )
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:

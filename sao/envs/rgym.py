@@ -25,6 +25,7 @@ import random
 from collections.abc import Mapping
 from typing import Protocol
 
+from sao.envs._state import expect_same, read, read_optional
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 from sao.envs.dataset import INSTRUCTION, answer_demo, extract_answer, safe_score, wrong_answer
 
@@ -118,6 +119,22 @@ class ReasoningGymEnv:
     def score(self) -> float:
         """The reward computed at the reply (0.0 if there was none)."""
         return self.reward
+
+    def state_dict(self) -> dict[str, object]:
+        """The episode so far (``RestorableEnv``); entry and scorer are the task's."""
+        return {
+            "question": str(self.entry["question"]),
+            "reward": self.reward,
+            "error": self.error,
+            "done": self.done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue the episode :meth:`state_dict` recorded (same entry only)."""
+        expect_same(state, "question", str(self.entry["question"]))
+        self.reward = read(state, "reward", float)
+        self.error = read_optional(state, "error", str)
+        self.done = read(state, "done", bool)
 
 
 class ReasoningGymTask:

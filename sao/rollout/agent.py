@@ -20,35 +20,39 @@ How an episode ends (``Trajectory.finish_reason``):
 - ``env_error``: ``env.reset`` / ``env.step`` / ``env.score`` raised, was not
   a coroutine, or returned something that is not an observation (text,
   messages, token ids), a :class:`~sao.types.StepResult` or a number.
-- ``timeout``: ``env.reset`` or ``env.step`` exceeded its deadline.
+- ``timeout``: ``env.reset`` or ``env.step`` exceeded its deadline, or held
+  the event loop longer than it (:mod:`sao.rollout.envcall`).
+- ``error``: the episode could not be played: the first prompt does not fit
+  the token budget, or the tokenizer failed on an observation.
 
 ``env.score()`` gives the outcome reward and is called exactly once at the end
 of every episode, however it ended (whenever ``run_episode`` returns); if it
 fails the reward is 0, the reason is in ``Trajectory.error`` and the finish
 reason becomes ``env_error`` (unless the episode had already failed).
 
-An environment's mistakes end only its own episode; the caller's mistakes (a
-first prompt that does not fit the budget) and engine failures raise. A
+An environment's mistakes, a prompt that does not fit and a tokenizer
+failure end only their own episode (the reason is in ``Trajectory.error``);
+engine failures raise (the runtime decides, see the orchestrator). A
 timed-out environment call is cancelled and not waited for, so an environment
-that ignores cancellation cannot stall the run (a synchronous, blocking call
-inside an ``async def`` still blocks the event loop: keep blocking work in a
-thread).
+that ignores cancellation cannot stall the run. Observations are capped at
+``EpisodeLimits.max_observation_tokens`` (cut with a marker, counted in
+``Trajectory.metrics["observations_truncated"]``), and all tokenization runs
+in one worker thread, off the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import math
-import numbers
 import time
-import traceback
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from sao.rollout.chat import (
     ObservationError,
+    cap_observation,
     decode_reply,
     encode_first_observation,
     encode_next_observation,
@@ -56,11 +60,24 @@ from sao.rollout.chat import (
     validate_observation,
 )
 from sao.rollout.engine import Engine, episode_key
+from sao.rollout.envcall import (
+    EpisodeFailure,
+    call_env,
+    check_result,
+    describe_error,
+    finite_number,
+    invoke,
+    score_env,
+)
+from sao.rollout.progress import progress
+from sao.rollout.resume import EpisodeResume, resume_points
 from sao.types import (
     Completion,
     Env,
     FinishReason,
     Message,
+    Observation,
+    RestorableEnv,
     SamplingParams,
     StepResult,
     Trajectory,
@@ -70,7 +87,9 @@ from sao.types import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["EpisodeLimits", "run_episode"]
+__all__ = ["EpisodeLimits", "failed_trajectory", "run_episode"]
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -82,17 +101,21 @@ class EpisodeLimits:
     generation asks for ``min(sampling.max_new_tokens, tokens left)``.
     ``step_timeout_s`` / ``reset_timeout_s``: deadline in seconds for one
     ``env.step`` / ``env.reset`` call; past it the episode ends with
-    ``timeout``.
+    ``timeout``. ``max_observation_tokens``: most tokens of one later
+    observation's content (None: no cap).
     """
 
     max_turns: int = 8
     max_total_tokens: int = 4096
     step_timeout_s: float = 60.0
     reset_timeout_s: float = 60.0
+    max_observation_tokens: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("max_turns", "max_total_tokens"):
+        for name in ("max_turns", "max_total_tokens", "max_observation_tokens"):
             value = getattr(self, name)
+            if name == "max_observation_tokens" and value is None:
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"EpisodeLimits.{name} must be an int >= 1, got {value!r}")
         for name in ("step_timeout_s", "reset_timeout_s"):
@@ -102,63 +125,6 @@ class EpisodeLimits:
                 raise ValueError(
                     f"EpisodeLimits.{name} must be a finite number of seconds > 0, got {value!r}"
                 )
-
-
-class _EnvFailure(Exception):
-    """An environment call failed; ends the episode with ``reason``."""
-
-    def __init__(self, reason: FinishReason, message: str) -> None:
-        super().__init__(message)
-        self.reason: FinishReason = reason
-        self.message = message
-
-
-def _describe(err: BaseException) -> str:
-    """``Type: message (at file:line)`` of the innermost frame that raised."""
-    frames = traceback.extract_tb(err.__traceback__)
-    where = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
-    return f"{type(err).__name__}: {err}{where}"
-
-
-def _retrieve(task: asyncio.Future[object]) -> None:
-    """Consume a cancelled env task's outcome so asyncio does not warn."""
-    if not task.cancelled():
-        task.exception()
-
-
-async def _call_env(make: object, timeout_s: float, limit: str, where: str) -> object:
-    """Await an env coroutine under a deadline; failures become :class:`_EnvFailure`.
-
-    Uses ``asyncio.wait`` and cancels on timeout without waiting for the
-    environment to unwind (``asyncio.wait_for`` would wait, and an environment
-    that swallows the cancellation would then hang the run).
-    """
-    if not inspect.isawaitable(make):
-        raise _EnvFailure("env_error", f"{where} must be async; it returned {type(make).__name__}")
-    task = asyncio.ensure_future(make)
-    try:
-        done, _ = await asyncio.wait({task}, timeout=timeout_s)
-    except asyncio.CancelledError:
-        task.cancel()
-        raise
-    if not done:
-        task.cancel()
-        task.add_done_callback(_retrieve)
-        raise _EnvFailure("timeout", f"{where} exceeded EpisodeLimits.{limit}={timeout_s} s")
-    if task.cancelled():
-        raise _EnvFailure("env_error", f"{where} cancelled itself")
-    err = task.exception()
-    if err is not None:
-        raise _EnvFailure("env_error", f"{where} raised {_describe(err)}")
-    return task.result()
-
-
-def _invoke(call: Callable[..., object], where: str, *args: object) -> object:
-    """``call(*args)``, turning a synchronous raise into :class:`_EnvFailure`."""
-    try:
-        return call(*args)
-    except Exception as err:
-        raise _EnvFailure("env_error", f"{where} raised {_describe(err)}") from err
 
 
 @dataclass
@@ -173,6 +139,10 @@ class _Episode:
     messages: list[Message] = field(default_factory=list)
     env_latency_s: float = 0.0
     gen_latency_s: float = 0.0
+    truncated: int = 0
+    """Observations cut to ``max_observation_tokens``."""
+    reported: dict[str, float] = field(default_factory=dict)
+    """The environment's own numbers: ``StepResult.info`` entries named ``metric/...``."""
 
     def append(self, ids: list[int]) -> None:
         """Append non-action tokens (prompt or observation)."""
@@ -205,27 +175,6 @@ def _context_window(engine: Engine) -> int | None:
     return None
 
 
-def _check_result(result: object) -> StepResult:
-    """``result`` if it is a usable :class:`StepResult`, else :class:`_EnvFailure`."""
-    if not isinstance(result, StepResult):
-        raise _EnvFailure("env_error", f"Env.step returned {type(result).__name__}, not StepResult")
-    if not _finite_number(result.reward):
-        raise _EnvFailure("env_error", f"Env.step returned reward {result.reward!r}, not a number")
-    if not result.done and result.observation is None:
-        raise _EnvFailure(
-            "env_error", "Env.step returned done=False with no observation; return one or done=True"
-        )
-    return result
-
-
-def _finite_number(value: object) -> bool:
-    return (
-        isinstance(value, numbers.Real)
-        and not isinstance(value, bool)
-        and math.isfinite(float(value))
-    )
-
-
 def _check_completion(completion: object, params: SamplingParams) -> Completion:
     """The engine's result, checked against what was asked (an engine bug raises)."""
     if not isinstance(completion, Completion):
@@ -238,6 +187,21 @@ def _check_completion(completion: object, params: SamplingParams) -> Completion:
     return completion
 
 
+_TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="sao-tokenize")
+"""Tokenization runs here, off the event loop, one call at a time."""
+
+
+async def _off_loop(where: str, fn: Callable[[], _T]) -> _T:
+    """``fn()`` in the tokenizer thread; an :class:`ObservationError` becomes
+    ``env_error``, any other failure ``error`` (the tokenizer or template broke)."""
+    try:
+        return await asyncio.get_running_loop().run_in_executor(_TOKENIZER_THREAD, fn)
+    except ObservationError as err:
+        raise EpisodeFailure("env_error", str(err)) from err
+    except Exception as err:
+        raise EpisodeFailure("error", f"tokenizing {where} failed: {describe_error(err)}") from err
+
+
 async def _start(
     env: Env,
     tokenizer: PreTrainedTokenizerBase,
@@ -248,29 +212,34 @@ async def _start(
 ) -> None:
     """Reset the environment and append the tokenized prompt to ``ep``."""
     budget = min(limits.max_total_tokens, context or limits.max_total_tokens)
+    progress.enter("Env.reset")
     t0 = time.perf_counter()
     try:
-        raw = await _call_env(
-            _invoke(env.reset, "Env.reset", seed),
+        raw = await call_env(
+            invoke(env.reset, "Env.reset", seed),
             limits.reset_timeout_s,
             "reset_timeout_s",
             "Env.reset",
+            type(env).__qualname__,
         )
     finally:
         ep.env_latency_s += time.perf_counter() - t0
-    try:
+    progress.enter("tokenizing the prompt")
+
+    def encode() -> tuple[list[int], list[Message]]:
         obs = validate_observation(raw, vocab_size=len(tokenizer), where="Env.reset")
-        ids, messages = encode_first_observation(tokenizer, obs)
-    except ObservationError as err:
-        raise _EnvFailure("env_error", str(err)) from err
+        return encode_first_observation(tokenizer, obs)
+
+    ids, messages = await _off_loop("the prompt", encode)
     if not ids:
-        raise _EnvFailure("env_error", f"Env.reset returned {raw!r:.80}, which is no token")
+        raise EpisodeFailure("env_error", f"Env.reset returned {raw!r:.80}, which is no token")
     if len(ids) >= budget:
-        raise ValueError(
+        raise EpisodeFailure(
+            "error",
             f"the first prompt has {len(ids)} tokens but an episode may hold {budget} "
-            f"(EpisodeLimits.max_total_tokens={limits.max_total_tokens}, engine max_seq_len="
+            f"(rollout.max_total_tokens={limits.max_total_tokens}, engine max_seq_len="
             f"{context}), leaving no room to generate. "
-            "Fix: raise max_total_tokens (and the engine's max_seq_len) or shorten the prompts"
+            "Fix: raise max_total_tokens (and the engine's max_seq_len) or shorten the prompts",
         )
     ep.append(ids)
     ep.messages = messages
@@ -282,6 +251,7 @@ async def _generate(
     """One generation from the whole history; its tokens are appended as actions."""
     room = budget - len(ep.tokens)
     params = replace(sampling, max_new_tokens=min(sampling.max_new_tokens, room))
+    progress.enter(f"generating turn {len(ep.turns) + 1} ({len(ep.tokens)} tokens of history)")
     t0 = time.perf_counter()
     completion = await engine.generate(tuple(ep.tokens), params)
     ep.gen_latency_s += time.perf_counter() - t0
@@ -301,18 +271,25 @@ async def _respond(
     end = len(ep.tokens)
     start = end - len(completion.token_ids)
     text = decode_reply(tokenizer, completion.token_ids)
+    progress.enter(f"Env.step of turn {len(ep.turns) + 1}")
     t0 = time.perf_counter()
     reward = 0.0
     try:
-        result = _check_result(
-            await _call_env(
-                _invoke(env.step, "Env.step", text),
+        result = check_result(
+            await call_env(
+                invoke(env.step, "Env.step", text),
                 limits.step_timeout_s,
                 "step_timeout_s",
                 "Env.step",
+                type(env).__qualname__,
             )
         )
         reward = float(result.reward)
+        ep.reported |= {
+            k: float(v)
+            for k, v in result.info.items()
+            if k.startswith("metric/") and finite_number(v)
+        }
     finally:
         latency = time.perf_counter() - t0
         ep.env_latency_s += latency
@@ -321,28 +298,67 @@ async def _respond(
     return result
 
 
-def _observe(
+async def _observe(
     tokenizer: PreTrainedTokenizerBase,
+    limits: EpisodeLimits,
     budget: int,
     ep: _Episode,
     completion: Completion,
     result: StepResult,
 ) -> bool:
-    """Append the step's observation; False when it leaves no room to generate."""
-    try:
+    """Append the step's observation (capped); False when it leaves no room to generate."""
+    progress.enter(f"tokenizing the observation of turn {len(ep.turns)}")
+    cap = limits.max_observation_tokens
+
+    def encode() -> tuple[Observation, int, list[int]]:
         obs = validate_observation(result.observation, vocab_size=len(tokenizer), where="Env.step")
+        obs, cut = cap_observation(tokenizer, obs, cap) if cap is not None else (obs, 0)
         history = ep.messages[:-1]  # without the reply just recorded
         ids = encode_next_observation(
             tokenizer, history, completion.token_ids, completion.finish_reason, obs
         )
-    except ObservationError as err:
-        raise _EnvFailure("env_error", str(err)) from err
+        return obs, cut, ids
+
+    obs, cut, ids = await _off_loop("an observation", encode)
+    ep.truncated += cut > 0
     ep.messages += split_observation(obs)[1]
     if len(ep.tokens) + len(ids) >= budget:
         return False
     ep.append(ids)
     ep.extend_last_turn()
     return True
+
+
+def _offer_resume(env: Env, ep: _Episode) -> None:
+    """Between turns: let a checkpoint snapshot this episode (restorable envs)."""
+    key = episode_key.get()
+    if key is None or not isinstance(env, RestorableEnv):
+        return
+    n, k, m = len(ep.tokens), len(ep.turns), len(ep.messages)
+
+    def take() -> EpisodeResume:
+        return EpisodeResume(
+            tokens=tuple(ep.tokens[:n]),
+            action_mask=tuple(ep.action_mask[:n]),
+            logp=tuple(ep.logp[:n]),
+            versions=tuple(ep.versions[:n]),
+            turns=tuple(ep.turns[:k]),
+            messages=tuple(ep.messages[:m]),
+            env_state=env.state_dict(),
+        )
+
+    resume_points.offer(key, take)
+
+
+def _resumed(resume: EpisodeResume) -> _Episode:
+    return _Episode(
+        tokens=list(resume.tokens),
+        action_mask=list(resume.action_mask),
+        logp=list(resume.logp),
+        versions=list(resume.versions),
+        turns=list(resume.turns),
+        messages=list(resume.messages),
+    )
 
 
 async def _play(
@@ -353,13 +369,20 @@ async def _play(
     limits: EpisodeLimits,
     ep: _Episode,
     seed: int,
+    resumed: bool,
 ) -> tuple[FinishReason, str | None]:
-    """Run the episode into ``ep``; the finish reason and error message."""
+    """Run the episode into ``ep`` (from its start, or on from a resumed
+    history); the finish reason and error message."""
     context = _context_window(engine)
     budget = min(limits.max_total_tokens, context or limits.max_total_tokens)
-    await _start(env, tokenizer, limits, context, ep, seed)
-    for turn in range(limits.max_turns):
-        completion = await _generate(engine, sampling, budget, ep)
+    if not resumed:
+        await _start(env, tokenizer, limits, context, ep, seed)
+    for turn in range(len(ep.turns), limits.max_turns):
+        _offer_resume(env, ep)
+        try:
+            completion = await _generate(engine, sampling, budget, ep)
+        finally:
+            resume_points.withdraw(episode_key.get() or "")
         if completion.finish_reason == "aborted":
             start = len(ep.tokens) - len(completion.token_ids)
             ep.close_turn(start, len(ep.tokens), 0.0, 0.0)
@@ -367,23 +390,11 @@ async def _play(
         result = await _respond(env, tokenizer, limits, ep, completion)
         if result.done:
             return "stop", None
-        if turn == limits.max_turns - 1 or not _observe(tokenizer, budget, ep, completion, result):
+        if turn == limits.max_turns - 1:
             return "length", None
-    return "length", None  # unreachable: max_turns >= 1
-
-
-def _score(env: Env) -> tuple[float, str | None]:
-    """``env.score()`` as a float, or 0.0 and the reason it failed."""
-    try:
-        value = env.score()
-    except Exception as err:
-        return 0.0, f"Env.score raised {_describe(err)}"
-    if inspect.iscoroutine(value):
-        value.close()
-        return 0.0, "Env.score must be a plain method returning a float, not async"
-    if not _finite_number(value):
-        return 0.0, f"Env.score returned {value!r}, not a finite number"
-    return float(value), None
+        if not await _observe(tokenizer, limits, budget, ep, completion, result):
+            return "length", None
+    return "length", None  # only a resumed history already at max_turns gets here
 
 
 async def run_episode(
@@ -396,27 +407,32 @@ async def run_episode(
     seed: int,
     prompt_id: str,
     group_id: str = "",
+    resume: EpisodeResume | None = None,
 ) -> Trajectory:
     """Play one episode of ``env`` with ``engine`` and return its trajectory.
 
     Per-token fields have one entry per token ``[T]`` (prompt, replies,
     observations); ``action_mask`` marks the sampled ids. See the module
-    docstring for the finish reasons. Raises ValueError when the first prompt
-    does not fit the token budget; engine failures propagate.
+    docstring for the finish reasons. Engine failures propagate. ``resume``
+    continues a checkpointed episode (:mod:`sao.rollout.resume`): ``env``
+    must already hold its state (``load_state_dict``) and is not reset.
     """
     if not isinstance(sampling, SamplingParams):
         raise TypeError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
     if not isinstance(limits, EpisodeLimits):
         raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
-    ep = _Episode()
-    key = episode_key.set(f"{prompt_id}#{group_id}#{seed}")
+    ep = _Episode() if resume is None else _resumed(resume)
+    name = f"{prompt_id}#{group_id}#{seed}"
+    key = episode_key.set(name)
     try:
-        reason, error = await _play(env, engine, tokenizer, sampling, limits, ep, seed)
-    except _EnvFailure as failure:
+        resumed = resume is not None
+        reason, error = await _play(env, engine, tokenizer, sampling, limits, ep, seed, resumed)
+    except EpisodeFailure as failure:
         reason, error = failure.reason, failure.message
     finally:
         episode_key.reset(key)
-    reward, score_error = _score(env)
+        progress.end(name)
+    reward, score_error = score_env(env)
     if score_error is not None:
         error = score_error if error is None else f"{error}; {score_error}"
         reason = "env_error" if reason in ("stop", "length") else reason
@@ -426,6 +442,8 @@ async def run_episode(
         "gen_latency_s": ep.gen_latency_s,
         "num_action_tokens": float(sum(ep.action_mask)),
         "num_tokens": float(len(ep.tokens)),
+        "observations_truncated": float(ep.truncated),
+        **ep.reported,
     }
     return Trajectory(
         prompt_id=prompt_id,
@@ -440,4 +458,24 @@ async def run_episode(
         group_id=group_id,
         error=error,
         metrics=metrics,
+    )
+
+
+def failed_trajectory(
+    prompt_id: str, group_id: str, sampling: SamplingParams, reason: FinishReason, error: str
+) -> Trajectory:
+    """An episode that failed before its first token (e.g. ``make_env`` raised):
+    no tokens, reward 0, never trained; it carries the reason and message."""
+    return Trajectory(
+        prompt_id=prompt_id,
+        tokens=(),
+        action_mask=(),
+        rollout_logp=(),
+        versions=(),
+        turns=(),
+        reward=0.0,
+        finish_reason=reason,
+        sampling=sampling,
+        group_id=group_id,
+        error=error,
     )

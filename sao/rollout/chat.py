@@ -31,6 +31,7 @@ contents joined by newlines) and appended.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from sao.types import CompletionFinish, Message, Observation
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ObservationError",
+    "cap_observation",
     "decode_reply",
     "encode_first_observation",
     "encode_next_observation",
@@ -99,6 +101,45 @@ def split_observation(obs: Observation) -> tuple[list[int] | None, tuple[Message
     if ids:
         return ids, ()
     return None, tuple(m for m in obs if isinstance(m, Message))
+
+
+TRUNCATION_MARKER = "\n[observation truncated: {n:,} characters not shown]"
+"""Appended to an observation's text where it was cut."""
+_CHARS_PER_TOKEN = 32
+"""A token rarely spans more characters: text is cut to ``32 x cap`` characters
+before it is tokenized, so a huge observation is never tokenized whole."""
+
+
+def cap_observation(
+    tokenizer: PreTrainedTokenizerBase, obs: Observation, max_tokens: int
+) -> tuple[Observation, int]:
+    """``obs`` with at most ``max_tokens`` tokens of content, and how many
+    messages (or token-id observations) were cut.
+
+    Text is cut at a token boundary and :data:`TRUNCATION_MARKER` says how
+    much is missing; message contents share the budget in order. Token ids
+    are cut as they are (an environment that returns ids owns them).
+    """
+    ids, messages = split_observation(obs)
+    if ids is not None:
+        return (tuple(ids[:max_tokens]), 1) if len(ids) > max_tokens else (obs, 0)
+    left, cut, out = max_tokens, 0, []
+    for m in messages:
+        text = m.content
+        head = text[: left * _CHARS_PER_TOKEN]
+        tokens = _encode(tokenizer, head, special=False) if head else []
+        if len(head) == len(text) and len(tokens) <= left:
+            out.append(m)
+            left -= len(tokens)
+            continue
+        kept = decode_reply(tokenizer, tokens[:left], skip_special_tokens=False) if left else ""
+        if not text.startswith(kept):  # a token boundary inside a character: cut the text
+            kept = text[: len(kept)]
+        out.append(replace(m, content=kept + TRUNCATION_MARKER.format(n=len(text) - len(kept))))
+        left, cut = 0, cut + 1
+    if not cut:
+        return obs, 0
+    return (out[0].content if isinstance(obs, str) else tuple(out)), cut
 
 
 def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[Message], *, where: str) -> str:

@@ -2,7 +2,9 @@
 
 Single rollout (``group_size = 1``): a trajectory is trainable the moment it
 finishes. Groups (GRPO family): a group is released only when all of its
-members are done, and is trained or dropped as a whole.
+members are done, and is trained or dropped as a whole. A failed episode
+(:meth:`TrajectoryBuffer.fail`) gives its capacity back at once; its group is
+dropped whole when its last member arrives.
 """
 
 from __future__ import annotations
@@ -23,18 +25,38 @@ class TrajectoryBuffer:
         self.dynamic_sampling = dynamic_sampling
         self.ready: deque[list[Trajectory]] = deque()
         self.pending: dict[str, list[Trajectory]] = {}
+        self._failed_in: dict[str, int] = {}
         self.filtered = 0
+        self.failed = 0
+        """Trajectories not trained because they (or a member of their group) failed."""
         self._changed = asyncio.Event()
 
     def add(self, trajectory: Trajectory) -> None:
         """Add one finished trajectory; release its group when complete."""
         key = trajectory.group_id or trajectory.prompt_id
-        members = self.pending.setdefault(key, [])
-        members.append(trajectory)
-        if len(members) < self.group_size:
+        self.pending.setdefault(key, []).append(trajectory)
+        self._complete(key)
+
+    def fail(self, trajectory: Trajectory) -> None:
+        """A failed episode, never trained: its capacity is given back now."""
+        key = trajectory.group_id or trajectory.prompt_id
+        self.failed += 1
+        self.gate.reject(1)
+        self._failed_in[key] = self._failed_in.get(key, 0) + 1
+        self.pending.setdefault(key, [])
+        self._complete(key)
+
+    def _complete(self, key: str) -> None:
+        members = self.pending[key]
+        failed = self._failed_in.get(key, 0)
+        if len(members) + failed < self.group_size:
             return
         del self.pending[key]
-        if self.dynamic_sampling and len({t.total_reward for t in members}) == 1:
+        if failed:  # a group with a failed member is dropped whole
+            del self._failed_in[key]
+            self.failed += len(members)
+            self.gate.reject(len(members))
+        elif self.dynamic_sampling and len({t.total_reward for t in members}) == 1:
             self.filtered += len(members)  # DAPO: an all-equal group carries no signal
             self.gate.reject(len(members))
         else:

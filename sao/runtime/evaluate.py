@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 
 from sao.runtime.runner import EpisodeRunner
-from sao.types import SamplingParams, Trajectory
+from sao.types import FAILURES, SamplingParams, Trajectory
 
 GREEDY_TOP_K = 1
 """Evaluation decodes greedily (top-k 1), so held-out success is deterministic."""
@@ -14,13 +15,32 @@ GREEDY_TOP_K = 1
 
 @dataclass(frozen=True)
 class EvalResult:
-    """Held-out success (fraction of episodes with reward > 0.5) and details."""
+    """Held-out success (fraction of episodes with reward > 0.5) and details.
+
+    Failed episodes count as unsuccessful (a failure never scores); how many
+    failed, by reason, is reported next to the success so that a broken
+    environment cannot pass for a weaker policy."""
 
     success: float
     reward_mean: float
     episodes: int
     env_errors: int
     mean_turns: float
+    timeouts: int = 0
+    errors: int = 0
+    reported: dict[str, float] = field(default_factory=dict)
+    """Mean of each ``metric/NAME`` the environments reported (``StepResult.info``),
+    over the episodes that reported it; logged as ``eval/NAME``."""
+
+    def metrics(self) -> dict[str, float]:
+        """``eval/...`` metrics of a run."""
+        return {
+            "eval/success": self.success,
+            "eval/reward_mean": self.reward_mean,
+            "eval/env_error": float(self.env_errors),
+            "eval/timeout": float(self.timeouts),
+            "eval/error": float(self.errors),
+        } | {f"eval/{k.removeprefix('metric/')}": v for k, v in self.reported.items()}
 
 
 async def evaluate(
@@ -42,10 +62,24 @@ async def evaluate(
             )
 
     trajs = await asyncio.gather(*(one(i) for i in range(n)))
+    reasons = Counter(t.finish_reason for t in trajs)
+    rewards = [0.0 if t.finish_reason in FAILURES else t.reward for t in trajs]
     return EvalResult(
-        success=sum(t.reward > 0.5 for t in trajs) / max(n, 1),
-        reward_mean=sum(t.reward for t in trajs) / max(n, 1),
+        success=sum(r > 0.5 for r in rewards) / max(n, 1),
+        reward_mean=sum(rewards) / max(n, 1),
         episodes=n,
-        env_errors=sum(t.finish_reason == "env_error" for t in trajs),
+        env_errors=reasons["env_error"],
         mean_turns=sum(t.num_turns for t in trajs) / max(n, 1),
+        timeouts=reasons["timeout"],
+        errors=reasons["error"],
+        reported=_reported(trajs),
     )
+
+
+def _reported(trajs: list[Trajectory]) -> dict[str, float]:
+    values: dict[str, list[float]] = {}
+    for t in trajs:
+        for k, v in t.metrics.items():
+            if k.startswith("metric/"):
+                values.setdefault(k, []).append(v)
+    return {k: sum(v) / len(v) for k, v in sorted(values.items())}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -35,9 +37,8 @@ class RunLogger:
     ) -> None:
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
-        self.history: list[dict[str, float]] = []
-        if self.path.exists():  # resumed run: keep what was logged
-            self.history = [json.loads(x) for x in self.path.read_text().splitlines() if x]
+        # resumed run: keep what was logged, without a line torn by a kill mid-write
+        self.history: list[dict[str, float]] = repair_jsonl(self.path)
         self._file = self.path.open("a")
         self._tb = None
         if tensorboard:
@@ -117,6 +118,52 @@ class RunLogger:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows of an append-only JSON-lines file (``metrics.jsonl``,
+    ``ledger.jsonl``); [] when it does not exist.
+
+    A last line without its newline that is not JSON is a row torn by a kill
+    mid-write: it is left out. Any other line that is not JSON means the file
+    was damaged some other way, and raises :class:`ValueError` naming it."""
+    if not path.is_file():
+        return []
+    lines = path.read_bytes().split(b"\n")  # the last item is b"" after a complete row
+    rows: list[dict[str, Any]] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            if i == len(lines) - 1:  # no newline after it: torn
+                break
+            raise ValueError(
+                f"{path} line {i + 1} is not JSON (the file is damaged; "
+                f"delete that line to go on): {line[:80]!r}"
+            ) from None
+    return rows
+
+
+def repair_jsonl(path: Path) -> list[dict[str, Any]]:
+    """:func:`read_jsonl`, and rewrite the file (atomically) when its last
+    line was torn, so that rows appended next start on a line of their own."""
+    rows = read_jsonl(path)
+    if path.is_file() and path.stat().st_size:
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            torn = f.read(1) != b"\n"
+        if torn:
+            write_jsonl(path, rows)
+    return rows
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    """Replace ``path`` with ``rows``, one per line (atomically)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
 
 
 def _num(v: object) -> float:

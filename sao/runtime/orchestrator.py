@@ -5,6 +5,12 @@ applies them while episodes are still running.
 
 Synchronous training is the same code with ``max_lag = 0`` (the staleness
 gate then admits exactly one batch per version).
+
+An episode that fails (``env_error``, ``timeout``, ``error``, or an exception
+from the runner) is counted and reported, and gives its capacity back; it is
+never trained as its score (:class:`FailurePolicy`). Only a failure the run
+cannot survive stops it: no live engine, too many failures in a row, or the
+watchdog (no episode finished and no step completed for ``watchdog_s``).
 """
 
 from __future__ import annotations
@@ -12,17 +18,64 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TypeVar
 
+from sao.rollout.agent import failed_trajectory
+from sao.rollout.envcall import describe_error, stalls
+from sao.rollout.progress import progress
+from sao.rollout.resume import EpisodeResume
+from sao.rollout.router import NoLiveEngineError
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.runner import EpisodeRunner
 from sao.runtime.staleness import StalenessGate
-from sao.types import SamplingParams, Trajectory
+from sao.types import FAILURES, SamplingParams, Trajectory
 
+_T = TypeVar("_T")
 StepFn = Callable[[list[Trajectory], bool], Awaitable[dict[str, float]]]
 """Trains on one batch (``train_actor`` False during critic warm-up); returns metrics."""
 PublishFn = Callable[[int], Awaitable[float]]
 """Sends the trainer's weights to the engines as ``version``; returns the seconds it took."""
+
+
+_COUNTERS = (
+    "episodes_done",
+    "env_errors",
+    "timeouts",
+    "errors",
+    "failed",
+    "tokens_done",
+    "observations_truncated",
+    "failures_in_a_row",
+)
+"""Orchestrator attributes that are running totals over the whole run."""
+
+
+class RunStopped(RuntimeError):
+    """The run stopped itself: too many failed episodes in a row, or no progress."""
+
+
+@dataclass(frozen=True)
+class FailurePolicy:
+    """What a failed episode becomes.
+
+    ``reward``: None drops failed episodes (never trained; a group with a
+    failed member is dropped whole), else they are trained with this outcome
+    reward (and no per-turn rewards) in place of their score. Episodes that
+    failed before their first sampled token are always dropped.
+    ``max_in_a_row``: stop the run after this many failures in a row.
+    ``watchdog_s``: stop the run when no episode finishes and no step
+    completes for this long (0: off).
+    """
+
+    reward: float | None = None
+    max_in_a_row: int = 100
+    watchdog_s: float = 900.0
+
+
+Report = Callable[[Trajectory, int], None]
+"""Told about every failed episode and the step it would have fed (e.g. to print
+and log it)."""
 
 
 @dataclass
@@ -35,6 +88,8 @@ class RolloutState:
     """Prompt indices that were in flight at the last checkpoint: started again first."""
     in_flight: dict[int, int] = field(default_factory=dict)
     """Prompt index -> episodes of it still running."""
+    resume: dict[str, EpisodeResume] = field(default_factory=dict)
+    """``"index/member"`` -> a checkpointed history to continue that episode from."""
 
 
 @dataclass
@@ -63,8 +118,11 @@ class Orchestrator:
         group_size: int,
         seed: int,
         state: RolloutState | None = None,
+        failure: FailurePolicy | None = None,
+        report: Report | None = None,
     ) -> None:
         self.runner, self.sampling = runner, sampling
+        self.failure, self.report = failure or FailurePolicy(), report
         self.gate, self.buffer = gate, buffer
         self.in_flight, self.group_size, self.seed = in_flight, group_size, seed
         self.state = state or RolloutState()
@@ -74,7 +132,14 @@ class Orchestrator:
         self.episodes_done = 0
         self.env_errors = 0
         self.timeouts = 0
+        self.errors = 0
+        self.failed = 0
         self.tokens_done = 0
+        self.observations_truncated = 0
+        self.failures_in_a_row = 0
+        self.last_progress = time.monotonic()
+        self.doing = "starting"
+        """What the trainer side is doing (for the watchdog's message)."""
         self._running = 0
         self._fatal: BaseException | None = None
         self._wake = asyncio.Event()
@@ -113,22 +178,26 @@ class Orchestrator:
             task.add_done_callback(self._tasks.discard)
 
     async def _episode(self, index: int, member: int) -> None:
+        ids = {"prompt_id": f"train/{index}", "group_id": f"train/{index}"}
+        resume = self.state.resume.pop(f"{index}/{member}", None)
         try:
-            traj = await self.runner.run(
-                "train",
-                index,
-                seed=self.seed * 1_000_003 + index * 131 + member,
-                prompt_id=f"train/{index}",
-                group_id=f"train/{index}",
-                sampling=self.sampling,
-            )
-            self._account(traj)
-            self.buffer.add(traj)
-        except asyncio.CancelledError:
-            raise
-        except Exception as err:  # engine failure, or a bug: stop the run, do not hang it
-            if self._fatal is None:
-                self._fatal = err
+            try:
+                traj = await self.runner.run(
+                    "train",
+                    index,
+                    seed=self._seed(index, member),
+                    sampling=self.sampling,
+                    resume=resume,
+                    **ids,
+                )
+            except (asyncio.CancelledError, NoLiveEngineError):
+                raise
+            except Exception as err:  # an engine error, or a bug: this episode fails
+                why = f"the episode raised {describe_error(err)}"
+                traj = failed_trajectory(**ids, sampling=self.sampling, reason="error", error=why)
+            self._finished(traj)
+        except NoLiveEngineError as err:  # the run cannot go on
+            self._stop(err)
         finally:
             self._running -= 1
             left = self.state.in_flight.get(index, 1) - 1
@@ -138,11 +207,76 @@ class Orchestrator:
                 self.state.in_flight[index] = left
             self._wake.set()
 
+    def _seed(self, index: int, member: int) -> int:
+        return self.seed * 1_000_003 + index * 131 + member
+
+    async def take_resumes(self, indices: Sequence[int]) -> dict[str, EpisodeResume]:
+        """``"index/member"`` -> snapshot, for the episodes of ``indices`` that can be
+        continued after a checkpoint: the running ones caught between turns, and
+        the ones still waiting to be continued from the previous checkpoint."""
+        keys = {
+            f"train/{i}#train/{i}#{self._seed(i, m)}": f"{i}/{m}"
+            for i in indices
+            for m in range(self.group_size)
+        }
+        taken = await self.runner.take_resumes(list(keys))
+        waiting = {k: r for k, r in self.state.resume.items() if int(k.split("/")[0]) in indices}
+        return waiting | {keys[key]: r for key, r in taken.items()}
+
+    def _finished(self, traj: Trajectory) -> None:
+        self._account(traj)
+        self.last_progress = time.monotonic()
+        if traj.finish_reason not in FAILURES:
+            self.failures_in_a_row = 0
+            self.buffer.add(traj)
+            return
+        self.failed += 1
+        self.failures_in_a_row += 1
+        if self.report is not None:
+            self.report(traj, self.consumed + 1)
+        if self.failures_in_a_row >= self.failure.max_in_a_row:
+            self._stop(
+                RunStopped(
+                    f"{self.failures_in_a_row} episodes in a row failed (rollout."
+                    f"max_failures_in_a_row); the last, {traj.prompt_id}, ended "
+                    f"{traj.finish_reason}: {traj.error}"
+                )
+            )
+        reward = self.failure.reward
+        if reward is None or traj.num_action_tokens == 0:
+            self.buffer.fail(traj)
+        else:
+            turns = tuple(replace(t, reward=0.0) for t in traj.turns)
+            self.buffer.add(replace(traj, reward=reward, turns=turns))
+
+    def _stop(self, err: BaseException) -> None:
+        if self._fatal is None:
+            self._fatal = err
+        self._wake.set()
+
+    def counters(self) -> dict[str, float]:
+        """The run's running totals (checkpointed, restored by :meth:`load_counters`)."""
+        return {name: float(getattr(self, name)) for name in _COUNTERS} | {
+            "wall_s": self.clock.elapsed(),
+            "trainer_idle_s": self.clock.trainer_idle_s,
+            "rollout_idle_s": self.clock.rollout_idle_s,
+        }
+
+    def load_counters(self, saved: dict[str, float]) -> None:
+        """Continue the totals of :meth:`counters` (missing keys stay at 0)."""
+        for name in _COUNTERS:
+            setattr(self, name, int(saved.get(name, 0)))
+        self.clock.start = time.perf_counter() - float(saved.get("wall_s", 0.0))
+        self.clock.trainer_idle_s = float(saved.get("trainer_idle_s", 0.0))
+        self.clock.rollout_idle_s = float(saved.get("rollout_idle_s", 0.0))
+
     def _account(self, traj: Trajectory) -> None:
         self.episodes_done += 1
         self.tokens_done += traj.num_tokens
         self.env_errors += traj.finish_reason == "env_error"
         self.timeouts += traj.finish_reason == "timeout"
+        self.errors += traj.finish_reason == "error"
+        self.observations_truncated += int(traj.metrics.get("observations_truncated", 0))
 
     # ------------------------------------------------------------------ trainer side
 
@@ -159,37 +293,73 @@ class Orchestrator:
         """Consume ``steps`` batches: the first ``warmup_steps`` train only the
         critic (no publish), then each actor step publishes version ``v + 1``."""
         producer = asyncio.create_task(self.produce())
+        guards = {producer, asyncio.create_task(self._watchdog())}
         try:
             while self.consumed < steps:
+                self.doing = f"waiting for the batch of step {self.consumed + 1}"
                 t0 = time.perf_counter()
-                batch = await self._take(batch_size, producer)
+                batch = await self._guarded(self.buffer.take(batch_size, self.version), guards)
                 self.clock.trainer_idle_s += time.perf_counter() - t0
                 train_actor = self.consumed >= warmup_steps
                 taken_at = self.version
+                self.doing = f"training step {self.consumed + 1}"
                 t1 = time.perf_counter()
-                metrics = await step_fn(batch, train_actor)
+                metrics = await self._guarded(step_fn(batch, train_actor), guards)
                 metrics["time/train_step_s"] = time.perf_counter() - t1
                 self.consumed += 1
                 if train_actor:
                     self.version += 1
-                    metrics["publish/sync_s"] = await publish(self.version)
+                    self.doing = f"publishing weight version {self.version}"
+                    metrics["publish/sync_s"] = await self._guarded(publish(self.version), guards)
                     self.runner.set_train_step(self.version)
+                self.last_progress = time.monotonic()
                 self._wake.set()
                 metrics |= self.runtime_metrics(batch, taken_at)
                 if on_step is not None:
-                    await on_step(self.consumed, metrics)
+                    self.doing = f"evaluating or checkpointing after step {self.consumed}"
+                    await self._guarded(on_step(self.consumed, metrics), guards)
+                    self.last_progress = time.monotonic()
         finally:
-            producer.cancel()
+            for guard in guards:
+                guard.cancel()
             await self.cancel_episodes()
 
-    async def _take(self, n: int, producer: asyncio.Task[None]) -> list[Trajectory]:
-        take = asyncio.ensure_future(self.buffer.take(n, self.version))
-        done, _ = await asyncio.wait({take, producer}, return_when=asyncio.FIRST_COMPLETED)
-        if producer in done:  # the producer died: surface its error, never hang
-            take.cancel()
-            producer.result()
-            raise RuntimeError("the rollout producer stopped unexpectedly")
-        return take.result()
+    async def _guarded(self, work: Awaitable[_T], guards: set[asyncio.Task[None]]) -> _T:
+        """``await work``, unless the producer or the watchdog stops first: then
+        their error is raised (never a hang)."""
+        main = asyncio.ensure_future(work)
+        done, _ = await asyncio.wait({main, *guards}, return_when=asyncio.FIRST_COMPLETED)
+        if main in done:
+            return main.result()
+        main.cancel()
+        for guard in done:
+            guard.result()  # raises the producer's (or the watchdog's) error
+        raise RuntimeError("the rollout producer stopped unexpectedly")
+
+    async def _watchdog(self) -> None:
+        """Raise :class:`RunStopped` when nothing progresses for ``watchdog_s``."""
+        limit = self.failure.watchdog_s
+        if limit <= 0:
+            await asyncio.Event().wait()  # off: wait forever (cancelled at the end)
+        while True:
+            await asyncio.sleep(min(limit / 4, 5.0))
+            idle = time.monotonic() - max(self.last_progress, progress.last_end)
+            if idle >= limit:
+                raise RunStopped(self.hang_report(idle))
+
+    def hang_report(self, idle_s: float) -> str:
+        """What the run is waiting on, on one line."""
+        g = self.gate
+        capacity = (self.consumed + g.max_lag + 1) * g.batch_size
+        waiting = progress.describe() or [f"train/{i}" for i in sorted(self.state.in_flight)]
+        return (
+            f"no episode finished and no step completed for {idle_s:.0f} s "
+            f"(runtime.watchdog_s={self.failure.watchdog_s:g}); the trainer is {self.doing}; "
+            f"the staleness gate holds {g.started - g.rejected} of {capacity} episodes, the "
+            f"buffer {self.buffer.num_ready()} ready and {len(self.buffer.pending)} groups "
+            f"incomplete; {self._running} episode(s) in flight"
+            + (": " + "; ".join(waiting) if waiting else "")
+        )
 
     def runtime_metrics(self, batch: Sequence[Trajectory], taken_at: int) -> dict[str, float]:
         """Staleness (versions behind the trainer when taken), drops, errors,
@@ -201,8 +371,13 @@ class Orchestrator:
             "staleness/max": float(max(lags, default=0)),
             "dropped/stale": float(self.gate.dropped),
             "dropped/filtered": float(self.buffer.filtered),
+            "dropped/failed": float(self.buffer.failed),
             "episodes/env_error": float(self.env_errors),
             "episodes/timeout": float(self.timeouts),
+            "episodes/error": float(self.errors),
+            "episodes/failed": float(self.failed),
+            "episodes/observations_truncated": float(self.observations_truncated),
+            "env/max_block_s": stalls.take_max(),
             "throughput/trajectories_per_s": self.episodes_done / wall,
             "throughput/tokens_per_s": self.tokens_done / wall,
             "idle/trainer_frac": self.clock.trainer_idle_s / wall,

@@ -40,6 +40,7 @@ import torch
 
 from sao.config import Config, ConfigError, to_dict, validate
 from sao.envs.base import Split, Task
+from sao.rollout.resume import EpisodeResume
 from sao.types import SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -170,10 +171,20 @@ class RolloutWorker:
         prompt_id: str,
         group_id: str,
         sampling: SamplingParams,
+        resume: EpisodeResume | None = None,
     ) -> Trajectory:
         return await self.runner.run(
-            split, index, seed=seed, prompt_id=prompt_id, group_id=group_id, sampling=sampling
+            split,
+            index,
+            seed=seed,
+            prompt_id=prompt_id,
+            group_id=group_id,
+            sampling=sampling,
+            resume=resume,
         )
+
+    async def take_resumes(self, keys: list[str]) -> dict[str, EpisodeResume]:
+        return await self.runner.take_resumes(keys)
 
     async def update_weights(self, weights: Any, version: int) -> float:
         """Apply a state dict (resolved from the object store) or a weight
@@ -234,13 +245,16 @@ class RayRunner:
         prompt_id: str,
         group_id: str,
         sampling: SamplingParams,
+        resume: EpisodeResume | None = None,
     ) -> Trajectory:
         while True:
             slot = min(self.slots, key=lambda s: s.outstanding)
             slot.outstanding += 1
             actor = slot.actor
             try:
-                return await actor.run.remote(split, index, seed, prompt_id, group_id, sampling)
+                return await actor.run.remote(
+                    split, index, seed, prompt_id, group_id, sampling, resume
+                )
             except self.ray.exceptions.RayActorError as err:
                 await self._replace(slot, actor, err)
             finally:
@@ -274,6 +288,15 @@ class RayRunner:
                 await self._replace(slot, slot.actor, result)
             elif isinstance(result, BaseException):
                 raise result
+
+    async def take_resumes(self, keys: list[str]) -> dict[str, EpisodeResume]:
+        """Snapshots of the episodes ``keys`` from whichever worker runs them."""
+        calls = [s.actor.take_resumes.remote(keys) for s in self.slots]
+        out: dict[str, EpisodeResume] = {}
+        for got in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(got, dict):  # a dead worker's episodes restart from scratch
+                out |= got
+        return out
 
     def metrics(self) -> dict[str, float]:
         return {"workers/replaced": float(self.replaced), "workers/count": float(len(self.slots))}

@@ -29,24 +29,29 @@ from sao.models.loading import load_policy, load_tokenizer
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
 from sao.rollout.engine import Engine
+from sao.rollout.resume import EpisodeResume
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.checkpoint import (
     begin_checkpoint,
     finish_checkpoint,
     load_state,
     resume_point,
+    saved_counters,
     set_rng_state,
+    write_text_atomic,
 )
 from sao.runtime.engines import Publish, open_rollout_engine
 from sao.runtime.evaluate import evaluate
+from sao.runtime.failures import FAILURES, FailureLog
+from sao.runtime.ledger import Ledger
 from sao.runtime.logging import RunLogger, summarize, write_plots
-from sao.runtime.orchestrator import Orchestrator, RolloutState
+from sao.runtime.orchestrator import FailurePolicy, Orchestrator, Report, RolloutState
 from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
 from sao.runtime.trainers import LocalTrainer, TrainerHandle
 from sao.runtime.warmstart import ensure_policy
 from sao.train.sharded import RankContext
-from sao.train.trainer import OptimSettings, Trainer
+from sao.train.trainer import NonFiniteError, OptimSettings, Trainer
 from sao.types import SamplingParams, Trajectory
 
 
@@ -70,7 +75,7 @@ def build_task(cfg: Config) -> Task:
     """The configured task, behind simulated latency if asked."""
     try:
         task = make_task(cfg.task.name, **{"seed": cfg.seed, **cfg.task.options})
-    except TypeError as e:
+    except (TypeError, ValueError) as e:  # an unknown option, or a bad value for one
         raise ConfigError(f"task.options: {e}") from None
     if cfg.task.latency != "none":
         task = LatencyWrapper(
@@ -92,6 +97,17 @@ def build_limits(cfg: Config) -> EpisodeLimits:
         max_total_tokens=r.max_total_tokens,
         step_timeout_s=r.step_timeout_s,
         reset_timeout_s=r.step_timeout_s,
+        max_observation_tokens=r.max_observation_tokens,
+    )
+
+
+def build_failure_policy(cfg: Config) -> FailurePolicy:
+    """What failed episodes become, and when the run stops (``rollout``, ``runtime``)."""
+    reward = cfg.rollout.failure_reward
+    return FailurePolicy(
+        reward=None if reward == "drop" else float(reward),
+        max_in_a_row=cfg.rollout.max_failures_in_a_row,
+        watchdog_s=cfg.runtime.watchdog_s,
     )
 
 
@@ -174,13 +190,14 @@ def prepare_run_dir(cfg: Config, resume: bool) -> Path:
         run_dir = Path(cfg.log.run_dir)
     if resume:
         return run_dir
-    if run_dir.exists() and any(run_dir.iterdir()):
+    # a config.yaml.tmp alone: killed while writing the config, before anything ran
+    if run_dir.exists() and any(p.name != "config.yaml.tmp" for p in run_dir.iterdir()):
         raise ConfigError(
             f"run directory {str(run_dir)!r} already holds a run; pick another log.run_dir, "
             f"or continue it with `sao train --resume {run_dir}`"
         )
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    write_text_atomic(run_dir / "config.yaml", yaml.safe_dump(to_dict(cfg), sort_keys=False))
     return run_dir
 
 
@@ -189,9 +206,10 @@ def train(cfg: Config, *, task: Task | None = None, resume: Path | None = None) 
 
     ``task`` trains on your own :class:`~sao.envs.base.Task` instead of the
     configured built-in one (``cfg.task`` is then only a label). ``resume``
-    continues that run directory from its last checkpoint; ``cfg`` must match
-    its saved config except for a few keys such as a larger ``train.steps``
-    (see :func:`~sao.runtime.checkpoint.resume_point`)."""
+    continues that run directory from its newest intact checkpoint (or starts
+    it over when it stopped before its first); ``cfg`` must match its saved
+    config except for a few keys such as a larger ``train.steps`` (see
+    :func:`~sao.runtime.checkpoint.resume_point`)."""
     hf_logging.disable_progress_bar()  # the run has its own live view
     ckpt = None
     if resume is not None:
@@ -225,9 +243,12 @@ def _restore(
         p.trainer.load_state_dict(blob["trainer"])
     set_rng_state(blob["rng"])
     gate.started, gate.rejected, gate.dropped = saved["gate"]
+    for name in _BUFFER_COUNTERS:
+        setattr(buffer, name, int(saved.get("buffer", {}).get(name, 0)))
     for t in trajs:
         buffer.add(t)
-    state = RolloutState(next_index=saved["next_index"], restart=saved["in_flight"])
+    resume = {k: EpisodeResume.from_dict(v) for k, v in saved.get("resume", {}).items()}
+    state = RolloutState(next_index=saved["next_index"], restart=saved["in_flight"], resume=resume)
     return state, saved["step"], saved["version"]
 
 
@@ -237,8 +258,10 @@ def _pipeline(
     gate: StalenessGate,
     buffer: TrajectoryBuffer,
     restored: tuple[RolloutState, int, int],
+    report: Report | None = None,
 ) -> Orchestrator:
-    """The orchestrator over ``engine``, at the restored stream, step and version."""
+    """The orchestrator over ``engine``, at the restored stream, step and version;
+    ``report`` records failed episodes."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     state, start_step, version = restored
     orch = Orchestrator(
@@ -250,6 +273,8 @@ def _pipeline(
         group_size=algo.group_size,
         seed=cfg.seed,
         state=state,
+        failure=build_failure_policy(cfg),
+        report=report,
     )
     orch.consumed, orch.version = start_step, version
     return orch
@@ -273,12 +298,20 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
         live=cfg.log.live,
         config=to_dict(cfg),
     )
+    ledger = Ledger.open(run_dir, enabled=cfg.log.ledger, start_step=restored[1])
     try:
         async with _rollout(p, handle, run_dir, restored[2], task) as (runner, publish, engine):
-            orch = _pipeline(p, runner, gate, buffer, restored)
+            report = FailureLog(run_dir / FAILURES, logger.print)
+            orch = _pipeline(p, runner, gate, buffer, restored, report)
+            orch.load_counters(saved_counters(ckpt))  # wall_s, episodes/*, idle: continued
             kv_kept = cfg.rollout.engine in ("torch", "http")
             kv_kept = kv_kept and not cfg.rollout.recompute_kv_on_update
             logger.print(gate.describe(in_flight=cfg.rollout.in_flight, kv_kept=kv_kept))
+            if cfg.task.name == "python_tool" and task is None:  # where model code runs
+                from sao.envs.sandbox import describe_isolation
+
+                allow_root = bool(cfg.task.options.get("allow_root", False))
+                logger.print(describe_isolation(allow_root=allow_root))
             if ckpt is None:
                 await _logprob_gate(p, handle, runner, engine, logger)
                 logger.log(0, {"wall_s": 0.0, **await _eval(p, runner)})
@@ -288,23 +321,31 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
                 if step % cfg.eval.every == 0 or step == total:
                     m |= await _eval(p, runner)
                 logger.log(step, m)
+                ledger.trained(step, gate.rejected)
                 if step % cfg.log.checkpoint_every == 0 or step == total:
                     # snapshot on the event loop (episodes keep running), write in a thread
                     state, trajs = _rollout_snapshot(orch, buffer, gate)
-                    await _checkpoint(handle, run_dir, step, state, trajs)
+                    state["resume"] = await _resumes(orch, state["in_flight"])
+                    ledger.checkpoint(step, state, trajs, gate.rejected)
+                    await _checkpoint(handle, run_dir, step, state, trajs, cfg.log.keep_checkpoints)
 
-            await orch.train(
-                total,
-                cfg.train.batch_size,
-                handle.step,
-                publish,
-                warmup_steps=algo.critic_pretrain_steps,  # critic-only batches, before actor steps
-                on_step=on_step,
-            )
+            try:
+                await orch.train(
+                    total,
+                    cfg.train.batch_size,
+                    ledger.recording(handle.step),
+                    publish,
+                    warmup_steps=algo.critic_pretrain_steps,  # critic-only, before actor steps
+                    on_step=on_step,
+                )
+            except NonFiniteError:  # bad updates were never applied: export what is left
+                await handle.export(run_dir / "final")
+                raise
         logger.close()
         await _finish(p, handle, run_dir, logger.history)
     finally:
         logger.close()
+        ledger.close()
         handle.close()
     return run_dir
 
@@ -365,7 +406,11 @@ async def _logprob_gate(
             for i in range(min(4, runner.eval_size))
         )
     )
-    report = await handle.score(list(trajs), p.sampling, engine=engine)
+    trajs = [t for t in trajs if t.num_action_tokens > 0]  # failed episodes hold none
+    if not trajs:
+        logger.print("log-prob check skipped: no held-out episode sampled a token")
+        return
+    report = await handle.score(trajs, p.sampling, engine=engine)
     logger.print(f"log-prob check: max |delta| {report.max_abs_delta:.2e}, k3 {report.k3_kl:.2e}")
     report.check(budget)
 
@@ -374,7 +419,11 @@ async def _eval(p: Parts, runner: EpisodeRunner) -> dict[str, float]:
     r = await evaluate(
         runner, episodes=p.cfg.eval.episodes, max_new_tokens=p.cfg.rollout.max_new_tokens
     )
-    return {"eval/success": r.success, "eval/reward_mean": r.reward_mean}
+    return r.metrics()
+
+
+_BUFFER_COUNTERS = ("filtered", "failed")
+"""Running totals of the buffer, checkpointed (``dropped/filtered``, failed episodes)."""
 
 
 def _rollout_snapshot(
@@ -392,8 +441,17 @@ def _rollout_snapshot(
         "next_index": orch.state.next_index,
         "in_flight": in_flight,
         "gate": [gate.started - running, gate.rejected, gate.dropped],
+        "buffer": {name: getattr(buffer, name) for name in _BUFFER_COUNTERS},
+        "counters": orch.counters(),
     }
     return state, trajs
+
+
+async def _resumes(orch: Orchestrator, in_flight: object) -> dict[str, object]:
+    """The episodes in flight that a resumed run can continue (between turns, with
+    a restorable environment), as JSON; the others start again."""
+    indices = [int(i) for i in in_flight] if isinstance(in_flight, list) else []
+    return {k: r.to_dict() for k, r in (await orch.take_resumes(indices)).items()}
 
 
 async def _checkpoint(
@@ -402,8 +460,10 @@ async def _checkpoint(
     step: int,
     state: dict[str, object],
     trajs: list[Trajectory],
+    keep: int,
 ) -> None:
-    """Models from the trainer (wherever it runs), then the rest, renamed into place."""
+    """Models from the trainer (wherever it runs), then the rest, renamed into
+    place; then all but the ``keep`` newest checkpoints are deleted (0: none)."""
     root = run_dir / "checkpoints"
     tmp = await asyncio.to_thread(begin_checkpoint, root, step)
     await handle.save_models(tmp)
@@ -415,13 +475,17 @@ async def _checkpoint(
         trainer_state=handle.trainer_state(),
         state=state,
         trajectories=trajs,
+        keep=keep,
     )
 
 
 async def _finish(
     p: Parts, handle: TrainerHandle, run_dir: Path, history: list[dict[str, float]]
 ) -> None:
-    (run_dir / "summary.json").write_text(json.dumps(summarize(history), indent=2) + "\n")
+    """Plots, the final policy, then ``summary.json``: written last (atomically),
+    it marks the run finished (a run killed before it resumes from its last
+    checkpoint, at the final step, and only finishes)."""
     if p.cfg.log.plots:
         write_plots(history, run_dir)
     await handle.export(run_dir / "final")
+    write_text_atomic(run_dir / "summary.json", json.dumps(summarize(history), indent=2) + "\n")

@@ -16,9 +16,11 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from sao.envs.base import Split, StepAware, Task
-from sao.rollout.agent import EpisodeLimits, run_episode
+from sao.rollout.agent import EpisodeLimits, failed_trajectory, run_episode
 from sao.rollout.engine import Engine
-from sao.types import SamplingParams, Trajectory
+from sao.rollout.envcall import describe_error
+from sao.rollout.resume import EpisodeResume, resume_points
+from sao.types import Env, RestorableEnv, SamplingParams, Trajectory
 
 __all__ = ["EpisodeRunner", "LocalRunner"]
 
@@ -38,7 +40,15 @@ class EpisodeRunner(Protocol):
         prompt_id: str,
         group_id: str,
         sampling: SamplingParams,
-    ) -> Trajectory: ...
+        resume: EpisodeResume | None = None,
+    ) -> Trajectory:
+        """Play the episode (on from ``resume``, a checkpointed history, if given)."""
+        ...
+
+    async def take_resumes(self, keys: list[str]) -> dict[str, EpisodeResume]:
+        """Snapshots of the running episodes ``keys`` that can be continued after
+        a checkpoint (:mod:`sao.rollout.resume`); the others are absent."""
+        ...
 
     def set_train_step(self, step: int) -> None:
         """Tell step-aware tasks (e.g. the online style-shift schedule) the step."""
@@ -71,8 +81,15 @@ class LocalRunner:
         prompt_id: str,
         group_id: str,
         sampling: SamplingParams,
+        resume: EpisodeResume | None = None,
     ) -> Trajectory:
-        env = self.task.make_env(split, index)
+        try:
+            env = self.task.make_env(split, index)
+            if resume is not None and not _restored(env, resume):
+                resume, env = None, self.task.make_env(split, index)  # from scratch
+        except Exception as err:  # the task's own bug or bad data: this episode fails
+            why = f"make_env({split!r}, {index}) raised {describe_error(err)}"
+            return failed_trajectory(prompt_id, group_id, sampling, "error", why)
         return await run_episode(
             env,
             self.engine,
@@ -82,7 +99,12 @@ class LocalRunner:
             seed=seed,
             prompt_id=prompt_id,
             group_id=group_id,
+            resume=resume,
         )
+
+    async def take_resumes(self, keys: list[str]) -> dict[str, EpisodeResume]:
+        taken = {key: resume_points.take(key) for key in keys}
+        return {key: r for key, r in taken.items() if r is not None}
 
     def set_train_step(self, step: int) -> None:
         if isinstance(self.task, StepAware):
@@ -90,3 +112,14 @@ class LocalRunner:
 
     def metrics(self) -> dict[str, float]:
         return {}
+
+
+def _restored(env: Env, resume: EpisodeResume) -> bool:
+    """Load the checkpointed state into a fresh ``env``; False if it cannot be."""
+    if not isinstance(env, RestorableEnv):
+        return False
+    try:
+        env.load_state_dict(resume.env_state)
+    except Exception:  # e.g. the task changed since the checkpoint: start afresh
+        return False
+    return True

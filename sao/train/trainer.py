@@ -5,6 +5,11 @@ Device: every tensor the step builds lives on the policy's device (the batch is
 collated on the CPU, then moved once); the returned metrics are CPU tensors.
 Precision: the optimizers step float32 master weights
 (:class:`~sao.train.precision.MasterWeights`), whatever the models' dtype.
+NaN/inf: an update is applied only when everything on its way is finite (the
+inputs of its loss, the loss, the gradient norm, the parameters AdamW would
+produce); otherwise it is skipped, so a model's weights and optimizer state are
+always those of its last good update, and ``max_bad_steps`` bad steps in a row
+stop the run with :class:`NonFiniteError`.
 Ranks: the :class:`~sao.train.sharded.RankContext` builds the models (FSDP2 with
 N ranks) and picks this rank's micro-batches; every quantity that is not
 row-local (denominators, advantages, statistics) comes from the whole batch, so
@@ -12,7 +17,6 @@ the step is the same code on one rank or many (sao/train/sharded.py)."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -24,7 +28,7 @@ from sao.algo.losses import aggregate_denom, value_loss
 from sao.algo.presets import AlgoPreset
 from sao.models.value import ValueModel
 from sao.train.estimators import Stats, Targets, compute_targets, needs_old_logp, policy_loss
-from sao.train.precision import MasterWeights
+from sao.train.precision import MasterWeights, adamw_nonfinite, adamw_step_bound
 from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
 from sao.types import Batch, Trajectory, collate
 
@@ -44,7 +48,24 @@ class OptimSettings:
 
 
 class NonFiniteError(RuntimeError):
-    """Too many consecutive steps with a NaN/inf loss or gradient."""
+    """``max_bad_steps`` consecutive steps had a NaN/inf value; every update they
+    would have made was skipped, so the models hold their last good weights."""
+
+
+_WHAT = {
+    "logp_BT": "log-probabilities",
+    "rollout_logp_BT": "rollout log-probabilities",
+    "old_logp_BT": "old-policy log-probabilities",
+    "advantages_BT": "advantages",
+    "values_BT": "values",
+    "returns_BT": "returns",
+    "old_values_BT": "old values",
+}
+"""Loss inputs by name, as a stop message names them."""
+_UPDATE = "update (AdamW would make weights NaN/inf)"
+_SAFE = torch.finfo(torch.float32).max / 4
+"""Below this bound of every weight after an update (``adamw_step_bound``), no
+weight can overflow; above it the update is predicted exactly."""
 
 
 class Trainer:
@@ -82,24 +103,25 @@ class Trainer:
             if algo.advantage == "running_mean"
             else None
         )
-        self.bad_steps = 0
-        self.skipped_steps = 0
-        self._finite = True
+        self.bad_steps = 0  # consecutive steps with a NaN/inf value
+        self.skipped_steps = 0  # all of them
+        self.skipped = {"actor": 0, "critic": 0}  # per model: steps it was bad in
+        self._bad: dict[str, str] = {}  # this step: model -> what was not finite
 
     # ------------------------------------------------------------------ the step
 
     def step(self, trajectories: Sequence[Trajectory], *, train_actor: bool = True) -> Stats:
         """One actor step (or a critic-only warm-up step) on finished trajectories."""
-        self._finite = True  # set False by any skipped (NaN/inf) optimizer update
+        self._bad = {}
         batch = self.prepare(trajectories)
         values_BT = self.values(batch)
-        targets = compute_targets(self.algo, batch, values_BT, self.running_mean)
+        targets = self.targets(batch, values_BT, self.running_mean)
         stats: Stats = {}
-        if self.critic is not None and targets.returns_BT is not None:
+        if targets is not None and self.critic is not None and targets.returns_BT is not None:
             stats |= self.update_critic(batch, targets, values_BT)
             if self.algo.advantages_after_critic_update and train_actor:
-                targets = compute_targets(self.algo, batch, self.values(batch), None)
-        if train_actor:
+                targets = self.targets(batch, self.values(batch), None)
+        if train_actor and targets is not None:
             stats |= self.update_actor(batch, targets.advantages_BT)
         self._count_bad_step()
         return _to_cpu(stats | self.batch_stats(batch, targets))
@@ -123,6 +145,21 @@ class Trainer:
             batch.rewards_B.add_(pen_B.to(batch.rewards_B.dtype))
         return batch
 
+    def targets(
+        self,
+        batch: Batch,
+        values_BT: torch.Tensor | None,
+        running_mean: RunningMeanBaseline | None,
+    ) -> Targets | None:
+        """Advantages and critic targets; None when the critic's values are NaN/inf
+        on an action token: nothing can be trained on this batch, so the step is bad
+        (counted against the critic) and both updates are skipped. The values are the
+        whole batch's, so every rank agrees."""
+        if values_BT is not None and _nonfinite(batch.action_mask_BT, values_BT=values_BT):
+            self._bad["critic"] = "values (nothing was trained this step)"
+            return None
+        return compute_targets(self.algo, batch, values_BT, running_mean)
+
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor | None:
         """Critic values ``[B, T]`` for the whole batch (no gradient), or None."""
@@ -144,35 +181,34 @@ class Trainer:
         assert targets.returns_BT is not None and targets.critic_mask_BT is not None
         mask = targets.critic_mask_BT
         denom = aggregate_denom(mask) if bool(mask.any()) else 1.0
+        clip = self.algo.value_clip if old_values_BT is not None else None
         stats: Stats = {}
         for _ in range(self.algo.critic_steps):
             self.critic_optim.zero_grad(set_to_none=True)
+            guard = _Guard(self.device)
             for mb, rows in self._with_rows(batch):
                 T = mb.tokens_BT.shape[1]
                 m = mask[rows, :T]
                 v = self.critic(mb.tokens_BT, mb.attention_mask_BT)
-                if not bool(m.any()):  # still a backward: ranks run the same passes
-                    _zero_loss(v).backward()
-                    continue
-                clip = self.algo.value_clip if old_values_BT is not None else None
                 old = None if clip is None else old_values_BT[rows, :T]  # type: ignore[index]
-                loss, _ = value_loss(
-                    v,
-                    targets.returns_BT[rows, :T],
-                    m,
-                    denom=denom,
-                    old_values_BT=old,
-                    clip_eps=clip,
-                )
+                ret = targets.returns_BT[rows, :T]
+                if not guard.usable(m, values_BT=v, returns_BT=ret, old_values_BT=old):
+                    _zero_loss(v).backward()  # still a backward: ranks run the same passes
+                    continue
+                loss, _ = value_loss(v, ret, m, denom=denom, old_values_BT=old, clip_eps=clip)
+                guard.loss(loss)
                 loss.backward()
-            norm = self._apply(self.critic_weights, self.critic_optim)
-            if self.critic_sched is not None:
+            norm, applied = self._apply("critic", self.critic_weights, self.critic_optim, guard)
+            if applied and self.critic_sched is not None:  # warm-up counts applied steps
                 self.critic_sched.step()
             stats = {"critic/grad_norm": norm}
         values_BT = self.values(batch)
         assert values_BT is not None
         if bool(mask.any()):  # the critic after its K steps, on this batch
-            stats |= value_loss(values_BT, targets.returns_BT, mask)[1]
+            if _nonfinite(mask, values_BT=values_BT, returns_BT=targets.returns_BT):
+                self._bad.setdefault("critic", "values after its update")
+            else:
+                stats |= value_loss(values_BT, targets.returns_BT, mask)[1]
         return stats
 
     def update_actor(self, batch: Batch, advantages_BT: torch.Tensor) -> Stats:
@@ -184,24 +220,30 @@ class Trainer:
         old = self._old_logp(batch) if needs_old_logp(self.algo) else None
         self.actor_optim.zero_grad(set_to_none=True)
         logp_BT = torch.zeros_like(batch.rollout_logp_BT, dtype=torch.float32)
+        guard = _Guard(self.device)
         for mb, rows in self._with_rows(batch):
             T = mb.tokens_BT.shape[1]
             logp = self.actor(mb.tokens_BT, mb.attention_mask_BT)
             logp_BT[rows, :T] = logp.detach()
-            if not bool(mb.action_mask_BT.any()):  # still a backward: ranks run the same passes
-                _zero_loss(logp).backward()
-                continue
             old_mb = None if old is None else old[rows, :T]
             args = (mb.rollout_logp_BT, old_mb, advantages_BT[rows, :T], mb.action_mask_BT)
+            inputs = dict(logp_BT=logp, rollout_logp_BT=args[0], old_logp_BT=old_mb)
+            if not guard.usable(mb.action_mask_BT, advantages_BT=args[2], **inputs):
+                _zero_loss(logp).backward()  # still a backward: ranks run the same passes
+                continue
             loss, _ = policy_loss(self.algo, logp, *args, denom)
+            guard.loss(loss)
             loss.backward()
-        norm = self._apply(self.actor_weights, self.actor_optim)
+        norm, _ = self._apply("actor", self.actor_weights, self.actor_optim, guard)
         logp_BT = self.ranks.sum_rows(logp_BT)
-        with torch.no_grad():  # whole-batch statistics, the same on every rank
-            loss, stats = policy_loss(
-                self.algo, logp_BT, batch.rollout_logp_BT, old, advantages_BT, mask, denom
-            )
-        return stats | {"actor/loss": loss, "actor/grad_norm": norm}
+        stats: Stats = {"actor/grad_norm": norm}
+        whole = (batch.rollout_logp_BT, old, advantages_BT, mask)
+        inputs = dict(rollout_logp_BT=batch.rollout_logp_BT, old_logp_BT=old)
+        if not _nonfinite(mask, logp_BT=logp_BT, advantages_BT=advantages_BT, **inputs):
+            with torch.no_grad():  # whole-batch statistics, the same on every rank
+                loss, loss_stats = policy_loss(self.algo, logp_BT, *whole, denom)
+            stats |= loss_stats | {"actor/loss": loss}
+        return stats
 
     # ------------------------------------------------------------------ helpers
 
@@ -216,47 +258,91 @@ class Trainer:
     def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
         return self.ranks.micro_batches(batch, self.opt.token_budget)
 
-    def _apply(self, weights: MasterWeights, optim: torch.optim.Optimizer) -> torch.Tensor:
-        """Clip, guard against NaN/inf, step the float32 masters and write them
-        back into the model. Returns the pre-clip gradient norm (0-dim, on the device)."""
+    def _apply(
+        self, model: str, weights: MasterWeights, optim: torch.optim.Optimizer, guard: _Guard
+    ) -> tuple[torch.Tensor, bool]:
+        """Clip; step the float32 masters and write them back into the model only
+        if, on every rank, the loss inputs and losses (``guard``), the gradient norm
+        and the parameters AdamW would produce are all finite (a bound rules an
+        overflow out for one read of the weights; near float32's range the update
+        is predicted exactly). A skipped update
+        leaves weights and optimizer state untouched: nothing to roll back.
+        Returns the pre-clip gradient norm (0-dim, on the device) and whether the
+        update was applied."""
         params = weights.load_grads()
         if not params:
-            return torch.zeros((), device=self.device)
+            return torch.zeros((), device=self.device), True
         norm = clip_grad_norm(params, self.opt.grad_clip).detach()
-        finite = math.isfinite(float(norm))  # one host sync per optimizer step
-        self._finite &= finite
-        if finite:
+        bound = adamw_step_bound(optim).to(self.device)
+        counts = torch.stack(
+            [
+                guard.bad_inputs,
+                guard.bad_losses,
+                torch.isfinite(norm).logical_not().float(),
+                (bound <= _SAFE).logical_not().float(),  # (NaN: not provably safe either)
+            ]
+        )
+        # the ranks' counts summed (a collective every rank runs), so all of them skip together
+        counts = self.ranks.sum_rows(counts).cpu()  # one host sync
+        if counts[3] and not counts[:3].any():  # near overflow: what would AdamW really do?
+            exact = adamw_nonfinite(optim).to(self.device).reshape(1)
+            counts[3] = self.ranks.sum_rows(exact).cpu()[0]
+        applied = not bool(counts.any())
+        if applied:
             optim.step()
             weights.store()
+        else:
+            why = (guard.what or "loss inputs (on another rank)", "loss", "gradient", _UPDATE)
+            self._bad[model] = next(w for w, n in zip(why, counts.tolist(), strict=True) if n)
         optim.zero_grad(set_to_none=True)  # free the float32 gradients until the next update
-        return norm
+        return norm, applied
 
     def _count_bad_step(self) -> None:
-        """Count a step whose actor or critic update was skipped; stop after
-        ``max_bad_steps`` such steps in a row (one good update of the critic
-        must not hide a diverged actor, so this is counted per trainer step)."""
-        if self._finite:
+        """Count a step in which the actor or the critic met a NaN/inf value; stop
+        after ``max_bad_steps`` such steps in a row (one good update of the critic
+        must not hide a diverged actor, so this is counted per trainer step). Every
+        rank takes the same decisions, so every rank stops at the same step."""
+        if not self._bad:
             self.bad_steps = 0
             return
         self.bad_steps += 1
         self.skipped_steps += 1
+        for model in self._bad:
+            self.skipped[model] += 1
         if self.bad_steps >= self.opt.max_bad_steps:
-            raise NonFiniteError(
-                f"{self.bad_steps} consecutive steps had a NaN/inf loss or gradient; stopping "
-                "(lower the learning rates, or raise train.max_bad_steps)"
-            )
+            raise NonFiniteError(self._stop_message())
 
-    def batch_stats(self, batch: Batch, targets: Targets) -> Stats:
+    def _stop_message(self) -> str:
+        """What diverged, that the weights are the last good ones, which knobs to turn."""
+        lr = {"actor": self.opt.actor_lr, "critic": self.opt.critic_lr}
+        what = "; ".join(f"{m}: NaN/inf {w}" for m, w in self._bad.items())
+        knobs = " or ".join(f"train.{m}_lr (now {lr[m]:g})" for m in self._bad)
+        return (
+            f"{self.bad_steps} consecutive steps had NaN/inf values "
+            f"(train.max_bad_steps={self.opt.max_bad_steps}); last one: {what}. Every such "
+            "update was skipped, so the models keep their last good (finite) weights. "
+            f"Lower {knobs}, or raise train.max_bad_steps"
+        )
+
+    def batch_stats(self, batch: Batch, targets: Targets | None) -> Stats:
         """Reward, length and advantage summaries of the batch."""
         mask = batch.action_mask_BT
         n = mask.sum().clamp(min=1)
-        return {
+        counts = {
+            "train/skipped_steps": self.skipped_steps,
+            "train/consecutive_bad_steps": self.bad_steps,
+            "actor/skipped_steps": self.skipped["actor"],
+            "critic/skipped_steps": self.skipped["critic"],
+        }
+        stats = {k: torch.tensor(float(v), device=self.device) for k, v in counts.items()}
+        stats |= {
             "train/reward_mean": batch.rewards_B.mean(),
             "train/action_tokens_mean": mask.sum(dim=1).float().mean(),
-            "train/advantage_mean": (targets.advantages_BT * mask).sum() / n,
             "train/truncated_frac": batch.truncated_B.float().mean(),
-            "train/skipped_steps": torch.tensor(float(self.skipped_steps), device=self.device),
         }
+        if targets is not None:  # (None: a bad step without advantages)
+            stats["train/advantage_mean"] = (targets.advantages_BT * mask).sum() / n
+        return stats
 
     def state_dict(self) -> dict[str, object]:
         """Optimizer, scheduler and baseline state (weights are saved separately)."""
@@ -269,6 +355,7 @@ class Trainer:
             "critic_sched": None if self.critic_sched is None else self.critic_sched.state_dict(),
             "running_mean": None if self.running_mean is None else self.running_mean.state_dict(),
             "skipped_steps": self.skipped_steps,
+            "skipped_per_model": dict(self.skipped),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -286,6 +373,44 @@ class Trainer:
         if self.running_mean is not None and state.get("running_mean") is not None:
             self.running_mean.load_state_dict(state["running_mean"])  # type: ignore[arg-type]
         self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
+        self.skipped |= state.get("skipped_per_model") or {}  # type: ignore[call-overload]
+
+
+class _Guard:
+    """What one optimizer update met on this rank: micro-batches whose loss
+    inputs were NaN/inf on an action token (their loss is not computed: the loss
+    functions reject such inputs), and losses that came out NaN/inf (a device
+    tensor, read once with the gradient norm in ``Trainer._apply``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.bad_inputs = torch.zeros((), device=device)
+        self.bad_losses = torch.zeros((), device=device)
+        self.what: str | None = None  # the first NaN/inf input seen here
+
+    def usable(self, mask_BT: torch.Tensor, **inputs: torch.Tensor | None) -> bool:
+        """Whether a micro-batch's loss can be computed: it has an action token
+        and its inputs are finite there (else it runs a zero backward)."""
+        if not bool(mask_BT.any()):
+            return False
+        name = _nonfinite(mask_BT, **inputs)
+        if name is not None:
+            self.bad_inputs += 1
+            self.what = self.what or name
+        return name is None
+
+    def loss(self, loss: torch.Tensor) -> None:
+        self.bad_losses += torch.isfinite(loss.detach()).logical_not()
+
+
+def _nonfinite(mask_BT: torch.Tensor, **tensors: torch.Tensor | None) -> str | None:
+    """The stop-message name of the first tensor that is NaN/inf somewhere
+    ``mask_BT`` is True; None when all are finite there (None tensors are
+    skipped). One host sync."""
+    given = {n: t for n, t in tensors.items() if t is not None}
+    if not given:
+        return None
+    bad = torch.stack([(~torch.isfinite(t.detach()) & mask_BT).any() for t in given.values()])
+    return next((_WHAT.get(n, n) for n, b in zip(given, bad.tolist(), strict=True) if b), None)
 
 
 def _zero_loss(out: torch.Tensor) -> torch.Tensor:

@@ -53,6 +53,11 @@ def test_example_episode() -> None:
         "style": "cute",
         "preferred": "cute",
         "reason": "ok",
+        # held-out accuracy per style (eval/style_...): only the cute judge accepts it
+        "metric/style_academic": 0.0,
+        "metric/style_cute": 1.0,
+        "metric/style_chuunibyou": 0.0,
+        "metric/style_classical": 0.0,
     }
 
 

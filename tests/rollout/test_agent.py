@@ -252,10 +252,12 @@ def test_token_budget_is_length_and_caps_max_new_tokens(chatml_tok):
     assert traj.num_tokens == 25 and traj.finish_reason == "length"
 
 
-def test_prompt_longer_than_budget_is_a_value_error(chatml_tok):
+def test_prompt_longer_than_budget_fails_the_episode(chatml_tok):
     limits = EpisodeLimits(max_turns=1, max_total_tokens=21)
-    with pytest.raises(ValueError, match=r"21 tokens but an episode may hold 21"):
-        play(ScriptedEnv("hi"), ScriptedEngine([]), chatml_tok, limits=limits)
+    env = ScriptedEnv("hi")
+    traj = play(env, ScriptedEngine([]), chatml_tok, limits=limits)
+    assert traj.finish_reason == "error" and traj.num_tokens == 0 and env.score_calls == 1
+    assert "21 tokens but an episode may hold 21" in traj.error
 
 
 @pytest.mark.parametrize("bad", [KeyError("judge"), float("nan")])

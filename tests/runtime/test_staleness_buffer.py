@@ -110,3 +110,26 @@ def test_startup_line_states_the_worst_case_lag() -> None:
     sync = StalenessGate(max_lag=0, batch_size=8).describe(in_flight=32, kv_kept=True)
     assert "lag: 0 version(s)" in sync and "= 8 episodes" in sync and "8 running" in sync
     assert "recompute" not in sync
+
+
+def test_failed_member_gives_capacity_back_and_drops_its_group() -> None:
+    gate = StalenessGate(max_lag=0, batch_size=3)
+    buf = TrajectoryBuffer(gate, group_size=3, dynamic_sampling=False)
+    gate.start(3)  # one group of 3 fills the capacity (0 + 0 + 1) x 3
+    assert not gate.can_start(0, 1)
+    buf.add(traj([0], group="a"))
+    buf.fail(traj([0], group="a"))  # the second member failed: its slot comes back now
+    assert gate.rejected == 1 and gate.can_start(0, 1) and buf.num_ready() == 0
+    buf.add(traj([0], group="a"))  # the last member arrives: the group is dropped whole
+    assert buf.num_ready() == 0 and buf.failed == 3 and gate.rejected == 3
+    assert buf.pending == {} and gate.can_start(0, 3)
+
+
+def test_failed_single_rollout_is_dropped_at_once() -> None:
+    gate = StalenessGate(max_lag=0, batch_size=1)
+    buf = TrajectoryBuffer(gate, group_size=1, dynamic_sampling=False)
+    gate.start(1)
+    buf.fail(traj([0], group="x"))
+    assert buf.failed == 1 and gate.rejected == 1 and buf.pending == {}
+    buf.add(traj([0], group="y"))
+    assert buf.num_ready() == 1
