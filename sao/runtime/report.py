@@ -31,6 +31,12 @@ import yaml
 from sao.config import validate
 from sao.runtime.experiment import Experiment
 from sao.runtime.logging import PLOTS, summarize
+from sao.runtime.report_switches import (
+    STYLE_PREFIX,
+    recoveries,
+    recovery_md,
+    write_style_plot,
+)
 
 T_975: tuple[float, ...] = (
     12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
@@ -56,6 +62,7 @@ CSV_COLUMNS = (
     "final_reward",
     "collapse_step",
     "wall_s",
+    "recovery_steps",
 )
 
 
@@ -142,8 +149,10 @@ class RunResult:
         """Trajectories trained on, the critic-only warm-up's included."""
         return (self.actor_steps + self.warmup_steps) * self.batch_size
 
-    def row(self) -> list[str]:
-        """The run's ``results.csv`` row."""
+    def row(self, marks: Sequence[int] = ()) -> list[str]:
+        """The run's ``results.csv`` row (``recovery_steps``: per switch in ``marks``,
+        ``;``-separated, empty where it did not recover)."""
+        steps = recoveries(self, marks)
         return [
             self.arm,
             str(self.seed),
@@ -156,6 +165,7 @@ class RunResult:
             _num(self.final_reward),
             "" if self.collapse_step is None else str(self.collapse_step),
             f"{self.wall_s:.1f}",
+            ";".join("" if x is None else str(x) for x in steps),
         ]
 
 
@@ -196,6 +206,8 @@ def read_run(run_dir: Path, arm: str, seed: int) -> RunResult:
     curves = {"eval/success": evals, "train/reward_mean": trailing_mean(rewards, REWARD_WINDOW)}
     if ev := curve("critic/explained_variance"):
         curves["critic/explained_variance"] = ev
+    for key in sorted({k for r in history for k in r if k.startswith(STYLE_PREFIX)}):
+        curves[key] = curve(key)
     attempts = run_dir / "experiment_attempts.jsonl"
     wall = (
         sum(float(json.loads(x)["wall_s"]) for x in attempts.read_text().splitlines() if x)
@@ -248,21 +260,39 @@ def write_report(exp_dir: Path) -> list[Path]:
     exp = Experiment.from_dict(meta["definition"])
     runs, unfinished = scan_runs(exp_dir, list(exp.arms))
     written = [exp_dir / "results.csv", exp_dir / "results.md"]
-    written[0].write_text(results_csv(runs))
+    written[0].write_text(results_csv(runs, exp.marks))
     plots = write_plots(runs, exp, exp_dir)
+    if style := write_style_plot(runs, exp, exp_dir, _schedule(exp_dir, runs)):
+        plots.append(style)
     md = results_md(exp, list(meta.get("overrides", [])), runs, unfinished, exp_dir, plots)
     written[1].write_text(md)
     return written + plots
 
 
-def results_csv(runs: Sequence[RunResult]) -> str:
+def results_csv(runs: Sequence[RunResult], marks: Sequence[int] = ()) -> str:
     """One row per finished run (:data:`CSV_COLUMNS`)."""
     buf = io.StringIO()
     w = csv.writer(buf, lineterminator="\n")
     w.writerow(CSV_COLUMNS)
     for r in runs:
-        w.writerow(r.row())
+        w.writerow(r.row(marks))
     return buf.getvalue()
+
+
+def _schedule(exp_dir: Path, runs: Sequence[RunResult]) -> list[str]:
+    """The style preferred in each phase between switches, from a run's config
+    (style_shift's ``schedule`` option or its default); [] for other tasks."""
+    if not runs:
+        return []
+    r = runs[0]
+    cfg = validate(
+        yaml.safe_load((exp_dir / "runs" / r.arm / f"seed-{r.seed}" / "config.yaml").read_text())
+    )
+    if cfg.task.name != "style_shift":
+        return []
+    from sao.envs.style_shift import DEFAULT_SCHEDULE
+
+    return [str(style) for _, style in cfg.task.options.get("schedule", DEFAULT_SCHEDULE)]
 
 
 def _comparison(runs: Sequence[RunResult]) -> str:
@@ -332,6 +362,7 @@ def results_md(
             f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} "
             f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} |"
         )
+    out += ["", *recovery_md(exp, runs)] if exp.marks else []
     out += ["", "| arm | overrides |", "|---|---|"]
     for arm, sets in exp.arms.items():
         out.append(f"| `{arm}` | {' '.join(f'`{s}`' for s in sets) or '(base only)'} |")
@@ -355,7 +386,7 @@ def results_md(
     return "\n".join(out)
 
 
-def _aggregate(
+def aggregate(
     series: Sequence[list[tuple[int, float]]],
 ) -> tuple[list[int], list[float], list[float], list[float]]:
     """Steps, mean, min and max across runs at each step any run has."""
@@ -397,7 +428,7 @@ def write_plots(runs: Sequence[RunResult], exp: Experiment, out_dir: Path) -> li
             series = [r.curves[key] for r in runs if r.arm == arm and r.curves.get(key)]
             if not series:
                 continue
-            steps, mean, lo, hi = _aggregate(series)
+            steps, mean, lo, hi = aggregate(series)
             color = f"C{i % 10}"
             ax.plot(steps, mean, color=color, label=f"{arm} (n={len(series)})")
             if len(series) > 1:

@@ -1,0 +1,61 @@
+"""The report's switch parts: recovery steps per arm and switch (worked by
+hand), the results.csv column, and the per-style plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sao.runtime.experiment import Experiment
+from sao.runtime.report import RunResult, results_csv
+from sao.runtime.report_switches import recoveries, recovery_md, write_style_plot
+
+EXP = Experiment(
+    name="switch",
+    claim="follows the preference",
+    preset="style-shift-tiny",
+    arms={"fast": (), "slow": ()},
+    marks=(20, 40),
+)
+
+
+def run(arm: str, seed: int, evals: list[tuple[int, float]]) -> RunResult:
+    style = [(s, v / 2) for s, v in evals]
+    return RunResult(
+        arm=arm, seed=seed, actor_steps=60, batch_size=4, warmup_steps=0,
+        initial_success=evals[0][1], final_success=evals[-1][1], best_success=1.0,
+        final_reward=0.5, collapse_step=None, wall_s=1.0,
+        curves={"eval/success": evals, "eval/style_cute": style, "eval/style_classical": style},
+    )  # fmt: skip
+
+
+# before the switch at 20: 0.9 -> target 0.72; before 40: 0.8 -> target 0.64
+FAST0 = run("fast", 0, [(0, 0.2), (10, 0.5), (20, 0.9), (30, 0.8), (40, 0.8), (50, 0.7)])
+FAST1 = run("fast", 1, [(0, 0.2), (10, 0.5), (20, 0.9), (30, 0.1), (40, 0.8), (50, 0.1)])
+SLOW = run("slow", 0, [(0, 0.2), (10, 0.5), (20, 0.9), (30, 0.1), (40, 0.1), (50, 0.1)])
+
+
+def test_recoveries_per_switch_stop_at_the_next_one() -> None:
+    assert recoveries(FAST0, EXP.marks) == [10, 10]  # 0.8 at 30 >= 0.72; 0.7 at 50 >= 0.64
+    assert recoveries(FAST1, EXP.marks) == [20, None]  # 0.8 at 40 (<= the next switch)
+    # never back after 20; after 40 its level is 0.1 (target 0.08), met again at 50
+    assert recoveries(SLOW, EXP.marks) == [None, 10]
+
+
+def test_recovery_table_and_csv_column() -> None:
+    md = "\n".join(recovery_md(EXP, [FAST0, FAST1, SLOW]))
+    # fast after 20: 10 and 20 steps -> mean 15, std 7.07, t(0.975, 1) = 12.7062:
+    # 15 +- 12.7062 * 7.0711 / sqrt(2) = 15 +- 63.5 -> [-48.5, 78.5]
+    assert "| `fast` | 2/2: 15.0 ± 7.1 [-48.5, 78.5] | 1/2: 10.0 (one seed) |" in md
+    assert "| `slow` | 0/1 | 1/1: 10.0 (one seed) |" in md
+    rows = results_csv([FAST0, FAST1], EXP.marks).splitlines()
+    assert rows[0].endswith(",recovery_steps")
+    assert rows[1].endswith(",10;10") and rows[2].endswith(",20;")
+
+
+def test_style_plot_has_a_panel_per_reported_style(tmp_path: Path) -> None:
+    path = write_style_plot([FAST0, SLOW], EXP, tmp_path, ["cute", "classical", "cute"])
+    assert path == tmp_path / "eval_per_style.png" and path.stat().st_size > 1000
+    plain = RunResult(
+        **{**FAST0.__dict__, "curves": {"eval/success": FAST0.curves["eval/success"]}}
+    )
+    assert write_style_plot([plain], EXP, tmp_path) is None
