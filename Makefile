@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-EXTRAS ?= dev,tasks,ray
+EXTRAS ?= dev,tasks,ray,agents,wandb,mlflow
 STAMP := $(VENV)/.sao-installed
 
 .PHONY: install demo test test-vllm lint typecheck bench clean

@@ -83,12 +83,14 @@ def _eval(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     import tempfile
 
+    from sao.envs.base import Task
     from sao.rollout.check import check_logprobs
     from sao.runtime.engines import open_rollout_engine
     from sao.runtime.run import build_parts, policy_path
 
     cfg = _load(args)
     p = build_parts(cfg)
+    assert isinstance(p.task, Task)  # the built-in task: sao check takes no agent
     envs = [p.task.make_env("eval", i) for i in range(args.episodes)]
 
     async def go(scratch: Path) -> int:

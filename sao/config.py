@@ -186,8 +186,19 @@ class RolloutConfig(_Section):
     """What an episode that failed (``env_error``, ``timeout``, ``error``) trains as:
     ``drop`` (never trained; a GRPO group with a failed member is dropped whole) or this
     outcome reward in place of its score. Never its own score."""
+    agent_export: Literal["concat", "per_call"] = "concat"
+    """How an agent's model calls (``sao.agents``) become training samples: ``concat``
+    (one trajectory when each call's prompt extends the previous call's tokens exactly,
+    else one sample per call) or ``per_call`` (always one sample per call, each with the
+    episode's reward)."""
     max_failures_in_a_row: PositiveInt = 100
     """Stop the run after this many failed episodes in a row (a broken task or engine)."""
+    tito_check: Literal["warn", "drop", "stop", "off"] = "warn"
+    """Each episode's tokens checked against the engine's generate calls and the chat
+    template's rendering of the conversation (``tito/mismatch_frac``); on a mismatch:
+    ``warn`` (train it; the first is logged), ``drop`` (a failed episode, ``error``),
+    ``stop`` (stop the run), ``off`` (no check). A template that rewrites earlier
+    replies (Qwen3 dropping reasoning) is no mismatch (``tito/rewrite_frac``)."""
     max_batch_size: PositiveInt = 64
     """Engine decode slots (continuous batching)."""
     recompute_kv_on_update: bool = False
@@ -308,8 +319,18 @@ class LogConfig(_Section):
     """Also log to Weights & Biases (needs `pip install sao[wandb]`)."""
     wandb_project: str = "sao"
     """W&B project name."""
-    live: bool = True
-    """Rich live view in the terminal."""
+    mlflow: bool = False
+    """Also log to MLflow (needs `pip install sao[mlflow]`): the flattened config as
+    params, each step's metrics; to RUN_DIR/mlruns, or to MLFLOW_TRACKING_URI when set."""
+    mlflow_experiment: str = "sao"
+    """MLflow experiment name."""
+    live: bool | Literal["auto"] = "auto"
+    """Terminal output. auto: the rich live view when stdout is a terminal, else plain
+    lines (Slurm, CI, nohup, a pipe: no control codes); true: the live view; false: plain
+    lines."""
+    print_every: NonNegativeInt = 10
+    """Plain lines: one line of the live view's fields every this many steps, and always
+    for the first step trained, each held-out evaluation and the last step; 0: none."""
     checkpoint_every: PositiveInt = 20
     """Checkpoint every this many steps (and at the end)."""
     keep_checkpoints: NonNegativeInt = 3

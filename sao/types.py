@@ -337,3 +337,23 @@ def collate(trajectories: Sequence[Trajectory], *, pad_id: int = 0) -> Batch:
         prompt_ids=tuple(t.prompt_id for t in trajectories),
         group_ids=tuple(t.group_id or t.prompt_id for t in trajectories),
     )
+
+
+def failed_trajectory(
+    prompt_id: str, group_id: str, sampling: SamplingParams, reason: FinishReason, error: str
+) -> Trajectory:
+    """An episode that failed before its first token (e.g. ``make_env`` raised):
+    no tokens, reward 0, never trained; it carries the reason and message."""
+    return Trajectory(
+        prompt_id=prompt_id,
+        tokens=(),
+        action_mask=(),
+        rollout_logp=(),
+        versions=(),
+        turns=(),
+        reward=0.0,
+        finish_reason=reason,
+        sampling=sampling,
+        group_id=group_id,
+        error=error,
+    )

@@ -37,7 +37,9 @@ timed-out environment call is cancelled and not waited for, so an environment
 that ignores cancellation cannot stall the run. Observations are capped at
 ``EpisodeLimits.max_observation_tokens`` (cut with a marker, counted in
 ``Trajectory.metrics["observations_truncated"]``), and all tokenization runs
-in one worker thread, off the event loop.
+in one worker thread, off the event loop. An episode that ends ``stop`` or
+``length`` is then checked token for token against the engine's generate
+calls and the chat template (:mod:`sao.rollout.tito`, ``EpisodeLimits.tito_check``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
 from sao.rollout.chat import (
@@ -71,6 +74,7 @@ from sao.rollout.envcall import (
 )
 from sao.rollout.progress import progress
 from sao.rollout.resume import EpisodeResume, resume_points
+from sao.rollout.tito import TITO_POLICIES, GenerationLog, TitoPolicy, check_episode, judge
 from sao.types import (
     Completion,
     Env,
@@ -87,7 +91,7 @@ from sao.types import (
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-__all__ = ["EpisodeLimits", "failed_trajectory", "run_episode"]
+__all__ = ["EpisodeLimits", "run_episode"]
 
 _T = TypeVar("_T")
 
@@ -102,7 +106,8 @@ class EpisodeLimits:
     ``step_timeout_s`` / ``reset_timeout_s``: deadline in seconds for one
     ``env.step`` / ``env.reset`` call; past it the episode ends with
     ``timeout``. ``max_observation_tokens``: most tokens of one later
-    observation's content (None: no cap).
+    observation's content (None: no cap). ``tito_check``: what a trajectory
+    that fails the token-in/token-out check becomes (:mod:`sao.rollout.tito`).
     """
 
     max_turns: int = 8
@@ -110,8 +115,13 @@ class EpisodeLimits:
     step_timeout_s: float = 60.0
     reset_timeout_s: float = 60.0
     max_observation_tokens: int | None = None
+    tito_check: TitoPolicy = "warn"
 
     def __post_init__(self) -> None:
+        if self.tito_check not in TITO_POLICIES:
+            raise ValueError(
+                f"EpisodeLimits.tito_check must be one of {TITO_POLICIES}, got {self.tito_check!r}"
+            )
         for name in ("max_turns", "max_total_tokens", "max_observation_tokens"):
             value = getattr(self, name)
             if name == "max_observation_tokens" and value is None:
@@ -397,6 +407,23 @@ async def _play(
     return "length", None  # only a resumed history already at max_turns gets here
 
 
+async def _checked(
+    traj: Trajectory,
+    tokenizer: PreTrainedTokenizerBase,
+    ep: _Episode,
+    log: GenerationLog,
+    limits: EpisodeLimits,
+    resumed: bool,
+) -> Trajectory:
+    """``traj`` after the token-in/token-out check (:mod:`sao.rollout.tito`, in
+    the tokenizer thread), for an episode that would be trained."""
+    if traj.finish_reason not in ("stop", "length") or not traj.turns:
+        return traj
+    messages, generations = list(ep.messages), list(log.generations)
+    check = partial(check_episode, tokenizer, traj, messages, generations, complete=not resumed)
+    return judge(traj, await _off_loop("the tito check", check), limits.tito_check)
+
+
 async def run_episode(
     env: Env,
     engine: Engine,
@@ -422,11 +449,14 @@ async def run_episode(
     if not isinstance(limits, EpisodeLimits):
         raise TypeError(f"limits must be an EpisodeLimits, got {type(limits).__name__}")
     ep = _Episode() if resume is None else _resumed(resume)
+    log = GenerationLog(engine) if limits.tito_check != "off" else None
     name = f"{prompt_id}#{group_id}#{seed}"
     key = episode_key.set(name)
     try:
         resumed = resume is not None
-        reason, error = await _play(env, engine, tokenizer, sampling, limits, ep, seed, resumed)
+        reason, error = await _play(
+            env, log or engine, tokenizer, sampling, limits, ep, seed, resumed
+        )
     except EpisodeFailure as failure:
         reason, error = failure.reason, failure.message
     finally:
@@ -445,7 +475,7 @@ async def run_episode(
         "observations_truncated": float(ep.truncated),
         **ep.reported,
     }
-    return Trajectory(
+    traj = Trajectory(
         prompt_id=prompt_id,
         tokens=tuple(ep.tokens),
         action_mask=tuple(ep.action_mask),
@@ -459,23 +489,4 @@ async def run_episode(
         error=error,
         metrics=metrics,
     )
-
-
-def failed_trajectory(
-    prompt_id: str, group_id: str, sampling: SamplingParams, reason: FinishReason, error: str
-) -> Trajectory:
-    """An episode that failed before its first token (e.g. ``make_env`` raised):
-    no tokens, reward 0, never trained; it carries the reason and message."""
-    return Trajectory(
-        prompt_id=prompt_id,
-        tokens=(),
-        action_mask=(),
-        rollout_logp=(),
-        versions=(),
-        turns=(),
-        reward=0.0,
-        finish_reason=reason,
-        sampling=sampling,
-        group_id=group_id,
-        error=error,
-    )
+    return traj if log is None else await _checked(traj, tokenizer, ep, log, limits, resumed)

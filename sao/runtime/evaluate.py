@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from sao.runtime.runner import EpisodeRunner
+from sao.runtime.runner import EpisodeRunner, samples
+
+if TYPE_CHECKING:
+    from sao.rollout.engine import Engine
+    from sao.runtime.trainers import TrainerHandle
 from sao.types import FAILURES, SamplingParams, Trajectory
 
 GREEDY_TOP_K = 1
@@ -57,9 +63,10 @@ async def evaluate(
 
     async def one(i: int) -> Trajectory:
         async with sem:
-            return await runner.run(
+            played = await runner.run(
                 "eval", i, seed=i, prompt_id=f"eval/{i}", group_id="", sampling=sampling
             )
+            return samples(played)[-1]  # an agent's samples share the episode's reward
 
     trajs = await asyncio.gather(*(one(i) for i in range(n)))
     reasons = Counter(t.finish_reason for t in trajs)
@@ -83,3 +90,31 @@ def _reported(trajs: list[Trajectory]) -> dict[str, float]:
             if k.startswith("metric/"):
                 values.setdefault(k, []).append(v)
     return {k: sum(v) / len(v) for k, v in sorted(values.items())}
+
+
+async def logprob_gate(
+    budget: float,
+    sampling: SamplingParams,
+    handle: TrainerHandle,
+    runner: EpisodeRunner,
+    engine: Engine | None,
+    echo: Callable[[str], None],
+) -> None:
+    """Refuse to train when the engine's log-probabilities and the trainer's
+    differ by more than ``budget`` (``train.logprob_budget``) on up to 4
+    held-out episodes (0 skips the check)."""
+    if budget <= 0:
+        return
+    played = await asyncio.gather(
+        *(
+            runner.run("eval", i, seed=i, prompt_id=f"check-{i}", group_id="", sampling=sampling)
+            for i in range(min(4, runner.eval_size))
+        )
+    )
+    scored = [t for p in played for t in samples(p) if t.num_action_tokens > 0]
+    if not scored:  # failed episodes hold no sampled token
+        echo("log-prob check skipped: no held-out episode sampled a token")
+        return
+    report = await handle.score(scored, sampling, engine=engine)
+    echo(f"log-prob check: max |delta| {report.max_abs_delta:.2e}, k3 {report.k3_kl:.2e}")
+    report.check(budget)

@@ -11,6 +11,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+from sao.types import FAILURES as FAILURES_REASONS
 from sao.types import Trajectory
 
 __all__ = ["FAILURES", "FailureLog"]
@@ -29,6 +30,9 @@ class FailureLog:
         self.counts: Counter[str] = Counter()
 
     def __call__(self, traj: Trajectory, step: int) -> None:
+        if traj.finish_reason not in FAILURES_REASONS:  # a warning about a trained episode
+            self.echo(f"episode {traj.prompt_id} (trained; a warning): {traj.error}")
+            return
         reason = traj.finish_reason
         self.counts[reason] += 1
         row = {

@@ -1,14 +1,20 @@
-"""What a run leaves behind: ``metrics.jsonl``, TensorBoard events (and W&B
-when asked), a rich live view, ``summary.json`` and PNG plots."""
+"""What a run leaves behind: ``metrics.jsonl``, TensorBoard events (and W&B /
+MLflow when asked), terminal output (a rich live view on a terminal, plain
+lines elsewhere), ``summary.json`` and PNG plots."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
 import os
+import re
+import sys
+import time
+from collections.abc import Mapping
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal, TextIO
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -21,9 +27,29 @@ PLOTS: dict[str, str] = {
     "critic/explained_variance": "explained_variance.png",
 }
 
+HEADLINE: tuple[tuple[str, str], ...] = (
+    ("train/reward_mean", "reward"),
+    ("eval/success", "eval"),
+    ("staleness/mean", "stale"),
+    ("dis/masked_frac", "masked"),
+    ("critic/explained_variance", "ev"),
+)
+"""What the terminal shows of a step, as (metric, label): live view and plain lines alike."""
+
+
+def headline(row: Mapping[str, float]) -> str:
+    """``reward 0.500 eval 0.250 ...``: the :data:`HEADLINE` metrics that ``row`` holds."""
+    return " ".join(f"{label} {row[key]:.3f}" for key, label in HEADLINE if key in row)
+
 
 class RunLogger:
-    """Writes one JSON object per step and mirrors it to TensorBoard / W&B / the terminal."""
+    """Writes one JSON object per step and mirrors it to TensorBoard / W&B /
+    MLflow / the terminal.
+
+    ``live``: ``"auto"`` shows the rich live view when ``stream`` (stdout) is a
+    terminal and plain lines otherwise (Slurm, CI, ``nohup``, a pipe: no
+    control codes); True the live view, False plain lines, one every
+    ``print_every`` steps (see :class:`PlainLines`)."""
 
     def __init__(
         self,
@@ -32,8 +58,11 @@ class RunLogger:
         total_steps: int,
         tensorboard: bool = True,
         wandb_project: str | None = None,
-        live: bool = True,
+        mlflow_experiment: str | None = None,
+        live: bool | Literal["auto"] = "auto",
+        print_every: int = 10,
         config: dict[str, object] | None = None,
+        stream: TextIO | None = None,
     ) -> None:
         self.run_dir = run_dir
         self.path = run_dir / "metrics.jsonl"
@@ -52,18 +81,12 @@ class RunLogger:
             except ImportError as e:
                 raise RuntimeError("log.wandb=true needs `pip install sao[wandb]`") from e
             self._wandb = wandb.init(project=wandb_project, dir=str(run_dir), config=config)
-        self.console = Console()
-        self._progress: Progress | None = None
-        if live:
-            self._progress = Progress(
-                TextColumn("[bold]sao[/bold] step {task.completed}/{task.total}"),
-                BarColumn(),
-                TextColumn("{task.fields[info]}"),
-                TimeElapsedColumn(),
-                console=self.console,
-            )
-            self._task = self._progress.add_task("train", total=total_steps, info="")
-            self._progress.start()
+        self._mlflow = MlflowRun(run_dir, mlflow_experiment, config) if mlflow_experiment else None
+        stream = sys.stdout if stream is None else stream
+        rich = stream.isatty() if live == "auto" else live
+        self.view: LiveView | PlainLines = (
+            LiveView(stream, total_steps) if rich else PlainLines(stream, total_steps, print_every)
+        )
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Record one step's metrics everywhere."""
@@ -77,29 +100,21 @@ class RunLogger:
                     self._tb.add_scalar(k, v, step)
         if self._wandb is not None:
             self._wandb.log(row, step=step)
-        if self._progress is not None:
-            info = " ".join(
-                f"{label} {row[key]:.3f}"
-                for key, label in [
-                    ("train/reward_mean", "reward"),
-                    ("eval/success", "eval"),
-                    ("staleness/mean", "stale"),
-                    ("dis/masked_frac", "masked"),
-                    ("critic/explained_variance", "ev"),
-                ]
-                if key in row
-            )
-            self._progress.update(self._task, completed=step, info=info)
+        if self._mlflow is not None:
+            self._mlflow.log(step, row)
+        self.view.show(step, row)
 
     def print(self, message: str) -> None:
-        """A line above the live view."""
-        self.console.print(message)
+        """A line above the live view (or between the plain lines)."""
+        self.view.print(message)
 
-    def close(self) -> None:
-        """Flush and close every sink (again: nothing happens)."""
-        if self._progress is not None:
-            self._progress.stop()
-            self._progress = None
+    def close(self, *, failed: bool | None = None) -> None:
+        """Flush and close every sink (again: nothing happens). ``failed`` marks
+        the MLflow run FAILED rather than FINISHED; None: whether an exception is
+        on its way out (a ``finally:`` after a crash or a stop)."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        self.view.close()
         self._file.close()
         if self._tb is not None:
             self._tb.close()
@@ -107,6 +122,9 @@ class RunLogger:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+        if self._mlflow is not None:
+            self._mlflow.close(failed=failed)
+            self._mlflow = None
 
     def __enter__(self) -> RunLogger:
         return self
@@ -117,7 +135,132 @@ class RunLogger:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(failed=exc is not None)
+
+
+class LiveView:
+    """The rich progress bar, step and :func:`headline` metrics (on a terminal)."""
+
+    def __init__(self, stream: TextIO, total_steps: int) -> None:
+        self.console = Console(file=stream)
+        self._progress: Progress | None = Progress(
+            TextColumn("[bold]sao[/bold] step {task.completed}/{task.total}"),
+            BarColumn(),
+            TextColumn("{task.fields[info]}"),
+            TimeElapsedColumn(),
+            console=self.console,
+        )
+        self._task = self._progress.add_task("train", total=total_steps, info="")
+        self._progress.start()
+
+    def show(self, step: int, row: Mapping[str, float]) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=headline(row))
+
+    def print(self, message: str) -> None:
+        self.console.print(message)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class PlainLines:
+    """The live view's fields as one plain line, flushed at once, for output
+    that is not a terminal: ``sao step 10/100 reward 0.500 stale 0.300 0:00:12``
+    (time since this process started logging, as the live view shows it).
+
+    A line every ``every`` steps (0: none), and always for the first step this
+    process trains, each held-out evaluation and the last step."""
+
+    def __init__(self, stream: TextIO, total_steps: int, every: int) -> None:
+        self.stream, self.total, self.every = stream, total_steps, every
+        self.start = time.monotonic()
+        self._trained = False  # a step > 0 was shown: the next is not the first
+
+    def show(self, step: int, row: Mapping[str, float]) -> None:
+        first = step > 0 and not self._trained
+        self._trained |= step > 0
+        if self.every <= 0:
+            return
+        if first or step % self.every == 0 or step >= self.total or "eval/success" in row:
+            elapsed = datetime.timedelta(seconds=int(time.monotonic() - self.start))
+            info = headline(row)
+            self.print(f"sao step {step}/{self.total} {info + ' ' if info else ''}{elapsed}")
+
+    def print(self, message: str) -> None:
+        self.stream.write(message + "\n")
+        self.stream.flush()  # a pipe is block-buffered: show each line as it happens
+
+    def close(self) -> None:
+        pass
+
+
+class MlflowRun:
+    """One MLflow run: the flattened config as params, then each step's finite
+    metrics. Local by default (``RUN_DIR/mlruns``, a file store: MLflow's UI
+    opens it with ``mlflow ui --backend-store-uri RUN_DIR/mlruns``); to
+    ``MLFLOW_TRACKING_URI`` when that is set."""
+
+    def __init__(self, run_dir: Path, experiment: str, config: Mapping[str, object] | None) -> None:
+        try:
+            from mlflow.entities import Param
+            from mlflow.exceptions import MlflowException
+            from mlflow.tracking import MlflowClient
+        except ImportError as e:
+            raise RuntimeError("log.mlflow=true needs `pip install sao[mlflow]`") from e
+        uri = None  # MlflowClient then reads MLFLOW_TRACKING_URI
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            uri = (run_dir / "mlruns").resolve().as_uri()
+            # MLflow 3 keeps the file store "in maintenance mode" and refuses it unless
+            # asked; it is the one local store that needs no database (SQLAlchemy)
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.client = MlflowClient(tracking_uri=uri)
+        found = self.client.get_experiment_by_name(experiment)
+        try:
+            exp_id = found.experiment_id if found else self.client.create_experiment(experiment)
+        except MlflowException:  # created meanwhile by another run on the same server
+            found = self.client.get_experiment_by_name(experiment)
+            if found is None:
+                raise
+            exp_id = found.experiment_id
+        self.run_id: str = self.client.create_run(exp_id, run_name=run_dir.name).info.run_id
+        params = [Param(k, v[:6000]) for k, v in flatten(config or {}).items()]  # value limit
+        for i in range(0, len(params), 100):  # at most 100 params per batch
+            self.client.log_batch(self.run_id, params=params[i : i + 100])
+
+    def log(self, step: int, row: Mapping[str, float]) -> None:
+        from mlflow.entities import Metric
+
+        ms = int(time.time() * 1000)
+        metrics = [
+            Metric(_MLFLOW_BAD.sub("_", k), v, ms, step)
+            for k, v in row.items()
+            if k != "step" and math.isfinite(v)
+        ]
+        for i in range(0, len(metrics), 1000):  # at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
+
+    def close(self, *, failed: bool = False) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")
+
+
+_MLFLOW_BAD = re.compile(r"[^\w\-. :/]")
+"""Characters MLflow refuses in a metric name."""
+
+
+def flatten(config: Mapping[str, object], prefix: str = "") -> dict[str, str]:
+    """``{"train": {"steps": 3}}`` -> ``{"train.steps": "3"}``: strings as they
+    are, other values as JSON (``true``, ``null``, ``[1, 2]``, ``{}``)."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            out |= flatten(value, name + ".")
+        else:
+            out[name] = value if isinstance(value, str) else json.dumps(value)
+    return out
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

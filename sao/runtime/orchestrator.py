@@ -21,15 +21,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TypeVar
 
-from sao.rollout.agent import failed_trajectory
 from sao.rollout.envcall import describe_error, stalls
 from sao.rollout.progress import progress
 from sao.rollout.resume import EpisodeResume
 from sao.rollout.router import NoLiveEngineError
 from sao.runtime.buffer import TrajectoryBuffer
-from sao.runtime.runner import EpisodeRunner
+from sao.runtime.runner import EpisodeRunner, Played, samples
 from sao.runtime.staleness import StalenessGate
-from sao.types import FAILURES, SamplingParams, Trajectory
+from sao.types import FAILURES, SamplingParams, Trajectory, failed_trajectory
 
 _T = TypeVar("_T")
 StepFn = Callable[[list[Trajectory], bool], Awaitable[dict[str, float]]]
@@ -47,6 +46,9 @@ _COUNTERS = (
     "tokens_done",
     "observations_truncated",
     "failures_in_a_row",
+    "tito_checked",
+    "tito_mismatches",
+    "tito_rewrites",
 )
 """Orchestrator attributes that are running totals over the whole run."""
 
@@ -137,6 +139,9 @@ class Orchestrator:
         self.tokens_done = 0
         self.observations_truncated = 0
         self.failures_in_a_row = 0
+        self.tito_checked = self.tito_mismatches = self.tito_rewrites = 0
+        """Episodes given the token-in/token-out check, and those it found a
+        mismatch or a template rewrite in (:mod:`sao.rollout.tito`)."""
         self.last_progress = time.monotonic()
         self.doing = "starting"
         """What the trainer side is doing (for the watchdog's message)."""
@@ -195,7 +200,8 @@ class Orchestrator:
             except Exception as err:  # an engine error, or a bug: this episode fails
                 why = f"the episode raised {describe_error(err)}"
                 traj = failed_trajectory(**ids, sampling=self.sampling, reason="error", error=why)
-            self._finished(traj)
+            for sample in self._samples(traj):
+                self._finished(sample)
         except NoLiveEngineError as err:  # the run cannot go on
             self._stop(err)
         finally:
@@ -206,6 +212,16 @@ class Orchestrator:
             else:
                 self.state.in_flight[index] = left
             self._wake.set()
+
+    def _samples(self, played: Played) -> list[Trajectory]:
+        """An episode's samples; beyond the first, each counts as one more episode
+        started (so the staleness gate sees every trajectory it will be asked to train)."""
+        out = samples(played)
+        if len(out) > 1 and self.group_size > 1:  # a group needs one sample per member
+            why = f"the episode gave {len(out)} samples (one per model call); a group needs one"
+            return [replace(out[0], reward=0.0, finish_reason="error", error=why)]
+        self.gate.start(len(out) - 1)
+        return out
 
     def _seed(self, index: int, member: int) -> int:
         return self.seed * 1_000_003 + index * 131 + member
@@ -226,8 +242,23 @@ class Orchestrator:
     def _finished(self, traj: Trajectory) -> None:
         self._account(traj)
         self.last_progress = time.monotonic()
+        mismatch = traj.metrics.get("tito/mismatch", 0.0) > 0
+        if traj.metrics.get("tito/checked"):
+            self.tito_checked += 1
+            self.tito_mismatches += mismatch
+            self.tito_rewrites += traj.metrics.get("tito/rewrite", 0.0) > 0
+        if mismatch and traj.metrics.get("tito/stop"):
+            self._stop(
+                RunStopped(
+                    f"episode {traj.prompt_id} failed the token-in/token-out check "
+                    f"(rollout.tito_check=stop): {traj.error}. Fix the template or the "
+                    "environment, or set rollout.tito_check=drop (drop such episodes) or warn"
+                )
+            )
         if traj.finish_reason not in FAILURES:
             self.failures_in_a_row = 0
+            if mismatch and self.tito_mismatches == 1 and self.report is not None:
+                self.report(traj, self.consumed + 1)  # warn: trained, named once, then counted
             self.buffer.add(traj)
             return
         self.failed += 1
@@ -363,7 +394,10 @@ class Orchestrator:
 
     def runtime_metrics(self, batch: Sequence[Trajectory], taken_at: int) -> dict[str, float]:
         """Staleness (versions behind the trainer when taken), drops, errors,
-        throughput and idle fractions."""
+        throughput and idle fractions; ``tito/mismatch_frac`` and
+        ``tito/rewrite_frac``: shares of the episodes checked since the start of
+        the run that failed the token-in/token-out check or whose template
+        rewrote a reply (:mod:`sao.rollout.tito`)."""
         lags = [self.gate.lag(t, taken_at) for t in batch]
         wall = max(self.clock.elapsed(), 1e-9)
         return {
@@ -377,6 +411,8 @@ class Orchestrator:
             "episodes/error": float(self.errors),
             "episodes/failed": float(self.failed),
             "episodes/observations_truncated": float(self.observations_truncated),
+            "tito/mismatch_frac": self.tito_mismatches / max(self.tito_checked, 1),
+            "tito/rewrite_frac": self.tito_rewrites / max(self.tito_checked, 1),
             "env/max_block_s": stalls.take_max(),
             "throughput/trajectories_per_s": self.episodes_done / wall,
             "throughput/tokens_per_s": self.tokens_done / wall,

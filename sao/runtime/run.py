@@ -19,6 +19,8 @@ import yaml
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
+from sao.agents.endpoint import AgentEndpoint
+from sao.agents.runner import AgentRunner, AgentTask
 from sao.config import Config, ConfigError, to_dict
 from sao.envs.base import Task
 from sao.envs.latency import LatencyWrapper
@@ -41,10 +43,11 @@ from sao.runtime.checkpoint import (
     write_text_atomic,
 )
 from sao.runtime.engines import Publish, open_rollout_engine
-from sao.runtime.evaluate import evaluate
+from sao.runtime.evaluate import evaluate, logprob_gate
 from sao.runtime.failures import FAILURES, FailureLog
 from sao.runtime.ledger import Ledger
 from sao.runtime.logging import RunLogger, summarize, write_plots
+from sao.runtime.model_card import export_final
 from sao.runtime.orchestrator import FailurePolicy, Orchestrator, Report, RolloutState
 from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
@@ -54,13 +57,16 @@ from sao.train.sharded import RankContext
 from sao.train.trainer import NonFiniteError, OptimSettings, Trainer
 from sao.types import SamplingParams, Trajectory
 
+TrainTask = Task | AgentTask
+"""What ``train`` trains on: an environment task, or your own agent."""
+
 
 @dataclass
 class Parts:
     """Everything a run is made of."""
 
     cfg: Config
-    task: Task
+    task: TrainTask
     tokenizer: PreTrainedTokenizerBase
     policy: PreTrainedModel
     critic: ValueModel | None
@@ -98,6 +104,7 @@ def build_limits(cfg: Config) -> EpisodeLimits:
         step_timeout_s=r.step_timeout_s,
         reset_timeout_s=r.step_timeout_s,
         max_observation_tokens=r.max_observation_tokens,
+        tito_check=r.tito_check,
     )
 
 
@@ -122,7 +129,7 @@ def policy_path(cfg: Config) -> Path:
 def build_parts(
     cfg: Config,
     start_dir: Path | None = None,
-    task: Task | None = None,
+    task: TrainTask | None = None,
     *,
     ranks: RankContext | None = None,
     quiet: bool = False,
@@ -201,7 +208,7 @@ def prepare_run_dir(cfg: Config, resume: bool) -> Path:
     return run_dir
 
 
-def train(cfg: Config, *, task: Task | None = None, resume: Path | None = None) -> Path:
+def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = None) -> Path:
     """Run training to completion; returns the run directory.
 
     ``task`` trains on your own :class:`~sao.envs.base.Task` instead of the
@@ -280,7 +287,7 @@ def _pipeline(
     return orch
 
 
-async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) -> Path:
+async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | None) -> Path:
     """The run loop; ``task`` is the caller's own task (None: the built-in one)."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
@@ -295,7 +302,9 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
         total_steps=total,
         tensorboard=cfg.log.tensorboard,
         wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
+        mlflow_experiment=cfg.log.mlflow_experiment if cfg.log.mlflow else None,
         live=cfg.log.live,
+        print_every=cfg.log.print_every,
         config=to_dict(cfg),
     )
     ledger = Ledger.open(run_dir, enabled=cfg.log.ledger, start_step=restored[1])
@@ -313,7 +322,8 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
                 allow_root = bool(cfg.task.options.get("allow_root", False))
                 logger.print(describe_isolation(allow_root=allow_root))
             if ckpt is None:
-                await _logprob_gate(p, handle, runner, engine, logger)
+                budget, prints = p.cfg.train.logprob_budget, logger.print
+                await logprob_gate(budget, p.sampling, handle, runner, engine, prints)
                 logger.log(0, {"wall_s": 0.0, **await _eval(p, runner)})
 
             async def on_step(step: int, m: dict[str, float]) -> None:
@@ -338,8 +348,8 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
                     warmup_steps=algo.critic_pretrain_steps,  # critic-only, before actor steps
                     on_step=on_step,
                 )
-            except NonFiniteError:  # bad updates were never applied: export what is left
-                await handle.export(run_dir / "final")
+            except NonFiniteError as e:  # bad updates were never applied: export what is left
+                await export_final(handle, run_dir / "final", cfg, logger.history, stopped=str(e))
                 raise
         logger.close()
         await _finish(p, handle, run_dir, logger.history)
@@ -350,13 +360,15 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: Task | None) ->
     return run_dir
 
 
-async def _trainer(p: Parts, ckpt: Path | None, task: Task | None) -> TrainerHandle:
+async def _trainer(p: Parts, ckpt: Path | None, task: TrainTask | None) -> TrainerHandle:
     """The trainer: this process's, or ``runtime.trainer_ranks`` Ray actors
     (which load the checkpoint's sharded state themselves)."""
     if p.cfg.runtime.backend == "local":
         return LocalTrainer(p)
     from sao.runtime.ray_trainer import RayTrainerGroup
 
+    if isinstance(task, AgentTask):
+        raise ConfigError("an AgentTask trains with runtime.backend=local for now")
     group = await RayTrainerGroup.start(p.cfg, ckpt, task)
     if ckpt is not None:
         await group.load(ckpt)
@@ -365,12 +377,14 @@ async def _trainer(p: Parts, ckpt: Path | None, task: Task | None) -> TrainerHan
 
 @contextlib.asynccontextmanager
 async def _rollout(
-    p: Parts, handle: TrainerHandle, run_dir: Path, version: int, task: Task | None
+    p: Parts, handle: TrainerHandle, run_dir: Path, version: int, task: TrainTask | None
 ) -> AsyncIterator[tuple[EpisodeRunner, Publish, Engine | None]]:
-    """Where episodes run (``runtime.backend``) and how weights reach them."""
+    """Where episodes run (``runtime.backend``) and how weights reach them; an
+    :class:`~sao.agents.AgentTask` plays against the agent endpoint."""
     cfg = p.cfg
     model_dir = policy_path(cfg)
     if cfg.runtime.backend == "ray":
+        assert not isinstance(task, AgentTask)  # refused when the trainer started
         from sao.runtime.ray_backend import open_ray_rollout
 
         async with open_ray_rollout(
@@ -385,34 +399,15 @@ async def _rollout(
         engine,
         publish,
     ):
-        yield LocalRunner(p.task, engine, p.tokenizer, p.limits), publish, engine
-
-
-async def _logprob_gate(
-    p: Parts,
-    handle: TrainerHandle,
-    runner: EpisodeRunner,
-    engine: Engine | None,
-    logger: RunLogger,
-) -> None:
-    """Refuse to train when the engine's log-probabilities and the trainer's
-    differ by more than ``train.logprob_budget`` (on up to 4 held-out episodes)."""
-    budget = p.cfg.train.logprob_budget
-    if budget <= 0:
-        return
-    trajs = await asyncio.gather(
-        *(
-            runner.run("eval", i, seed=i, prompt_id=f"check-{i}", group_id="", sampling=p.sampling)
-            for i in range(min(4, runner.eval_size))
-        )
-    )
-    trajs = [t for t in trajs if t.num_action_tokens > 0]  # failed episodes hold none
-    if not trajs:
-        logger.print("log-prob check skipped: no held-out episode sampled a token")
-        return
-    report = await handle.score(trajs, p.sampling, engine=engine)
-    logger.print(f"log-prob check: max |delta| {report.max_abs_delta:.2e}, k3 {report.k3_kl:.2e}")
-    report.check(budget)
+        if not isinstance(p.task, AgentTask):
+            yield LocalRunner(p.task, engine, p.tokenizer, p.limits), publish, engine
+            return
+        endpoint = AgentEndpoint(engine, p.tokenizer, max_seq_len=cfg.rollout.max_total_tokens)
+        await endpoint.start()
+        try:
+            yield AgentRunner(p.task, endpoint, cfg.rollout.agent_export), publish, engine
+        finally:
+            await endpoint.close()
 
 
 async def _eval(p: Parts, runner: EpisodeRunner) -> dict[str, float]:
@@ -482,10 +477,10 @@ async def _checkpoint(
 async def _finish(
     p: Parts, handle: TrainerHandle, run_dir: Path, history: list[dict[str, float]]
 ) -> None:
-    """Plots, the final policy, then ``summary.json``: written last (atomically),
-    it marks the run finished (a run killed before it resumes from its last
-    checkpoint, at the final step, and only finishes)."""
+    """Plots, the final policy with its model card, then ``summary.json``: written
+    last (atomically), it marks the run finished (a run killed before it resumes
+    from its last checkpoint, at the final step, and only finishes)."""
     if p.cfg.log.plots:
         write_plots(history, run_dir)
-    await handle.export(run_dir / "final")
+    await export_final(handle, run_dir / "final", p.cfg, history)
     write_text_atomic(run_dir / "summary.json", json.dumps(summarize(history), indent=2) + "\n")

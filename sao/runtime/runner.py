@@ -16,13 +16,22 @@ from typing import Protocol
 from transformers import PreTrainedTokenizerBase
 
 from sao.envs.base import Split, StepAware, Task
-from sao.rollout.agent import EpisodeLimits, failed_trajectory, run_episode
+from sao.rollout.agent import EpisodeLimits, run_episode
 from sao.rollout.engine import Engine
 from sao.rollout.envcall import describe_error
 from sao.rollout.resume import EpisodeResume, resume_points
-from sao.types import Env, RestorableEnv, SamplingParams, Trajectory
+from sao.types import Env, RestorableEnv, SamplingParams, Trajectory, failed_trajectory
 
-__all__ = ["EpisodeRunner", "LocalRunner"]
+__all__ = ["EpisodeRunner", "LocalRunner", "samples"]
+
+Played = Trajectory | list[Trajectory]
+"""An episode's training samples: one trajectory, or several (an agent episode
+exported per model call, :mod:`sao.agents.export`)."""
+
+
+def samples(played: Played) -> list[Trajectory]:
+    """The trajectories of an episode, as a list."""
+    return played if isinstance(played, list) else [played]
 
 
 class EpisodeRunner(Protocol):
@@ -41,7 +50,7 @@ class EpisodeRunner(Protocol):
         group_id: str,
         sampling: SamplingParams,
         resume: EpisodeResume | None = None,
-    ) -> Trajectory:
+    ) -> Played:
         """Play the episode (on from ``resume``, a checkpointed history, if given)."""
         ...
 

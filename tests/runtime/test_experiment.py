@@ -74,7 +74,7 @@ def test_named_experiments_resolve_at_equal_trajectories(tmp_path: Path) -> None
         runs = plan(exp, tmp_path / exp.name, seeds=3)
         assert len(runs) == 3 * len(exp.arms)
         assert exp.claim and exp.cost
-    assert runs[-1].run_dir == (tmp_path / "online/runs/running_mean/seed-2").resolve()
+    assert runs[-1].run_dir == (tmp_path / "stability/runs/vapo/seed-2").resolve()
     assert "guess-tiny does not yet learn" in EXPERIMENTS["gae"].claim
 
 

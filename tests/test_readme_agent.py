@@ -1,0 +1,35 @@
+"""The README's agent example (a tool-using agent on the plain openai client),
+executed as written: it trains, and its episodes are whole conversations."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+pytest.importorskip("openai")
+
+
+def readme_agent() -> str:
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    (block,) = [b for b in blocks if "async def solve(client" in b]
+    return block
+
+
+@pytest.mark.slow
+def test_readme_agent_trains(tmp_path: Path) -> None:
+    namespace: dict[str, object] = {"__name__": "readme_agent"}
+    exec(compile(readme_agent(), str(README), "exec"), namespace)
+    run = tmp_path / "run"
+    namespace["train_agent"](str(run), steps=3)  # type: ignore[operator]
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["version"] == 3.0 and rows[-1]["episodes/failed"] == 0.0
+    assert "eval/success" in rows[0] and (run / "final" / "config.json").is_file()
+    # the warm start calls the calculator, hears the result and answers: episodes
+    # are whole conversations, one sample each (a lone "calc 12*3+4" or "answer 40"
+    # reply is under 16 tokens; both together are over)
+    assert min(r["train/action_tokens_mean"] for r in rows if "train/action_tokens_mean" in r) > 16
