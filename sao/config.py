@@ -248,7 +248,10 @@ class TrainConfig(_Section):
     grad_clip: PositiveFloat = 1.0
     """Global gradient-norm clip of actor and critic."""
     token_budget: PositiveInt = 8192
-    """Micro-batch size in tokens (padded B*T) for forward/backward."""
+    """Micro-batch size in tokens for forward/backward (padded B*T; real tokens if packing)."""
+    packing: bool = False
+    """Padding-free training: pack each micro-batch's rows into one sequence (position ids
+    restart per row, attention never crosses rows); the same losses and gradients."""
     max_bad_steps: PositiveInt = 3
     """Stop after this many consecutive steps with a NaN/inf log-prob, value, loss, gradient
     or update (each such update is skipped: the weights stay the last good ones)."""

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import PreTrainedModel
 
 from sao.algo._checks import check_mask, check_ndim, check_same_shape
+from sao.models.packing import run_backbone_packed
 
 __all__ = [
     "backbone_hidden_states",
@@ -63,13 +64,21 @@ def position_ids_from_mask(attention_mask_BT: torch.Tensor) -> torch.Tensor:
 
 
 def run_backbone(
-    backbone: nn.Module, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor
+    backbone: nn.Module,
+    tokens_BT: torch.Tensor,
+    attention_mask_BT: torch.Tensor,
+    *,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Last hidden states ``[B, T, H]`` of a base model (no LM head).
 
     ``backbone`` is a transformers base model (``LlamaModel``, ``GPT2Model``,
     ...); position ids come from the mask (:func:`position_ids_from_mask`).
+    ``packed``: run the rows' real tokens as one padding-free sequence
+    (:mod:`sao.models.packing`); the same values at real tokens.
     """
+    if packed and bool(attention_mask_BT.any()):
+        return run_backbone_packed(backbone, tokens_BT, attention_mask_BT.bool())
     out = backbone(
         input_ids=tokens_BT,
         attention_mask=attention_mask_BT.long(),
@@ -159,6 +168,7 @@ def _logprobs_impl(
     temperature: float,
     chunk_size: int,
     with_entropy: bool,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Shared body of :func:`sequence_logprobs` and its entropy variant."""
     if not isinstance(model, PreTrainedModel):
@@ -170,7 +180,7 @@ def _logprobs_impl(
     mask_BT = validate_token_batch(tokens_BT, attention_mask_BT)
     _verify_head(model, tokens_BT.device)
     B, T = tokens_BT.shape
-    hidden_BTH = run_backbone(model.base_model, tokens_BT, mask_BT)
+    hidden_BTH = run_backbone(model.base_model, tokens_BT, mask_BT, packed=packed)
     # Token t (t >= 1) is scored by the hidden state at t - 1; both must be real.
     valid_BT = torch.zeros_like(mask_BT)
     valid_BT[:, 1:] = mask_BT[:, 1:] & mask_BT[:, :-1]
@@ -204,6 +214,7 @@ def sequence_logprobs(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    packed: bool = False,
 ) -> torch.Tensor:
     """Per-token log-probabilities ``logp_BT`` (float32 ``[B, T]``) of ``tokens_BT``.
 
@@ -212,10 +223,11 @@ def sequence_logprobs(
     real token of a row and for padding. Dividing by the sampling
     temperature reproduces the distribution the engine sampled from
     (ALGORITHMS.md section 6). Differentiable; the LM head runs in chunks of
-    ``chunk_size`` positions under activation checkpointing.
+    ``chunk_size`` positions under activation checkpointing. ``packed``: the
+    backbone runs padding-free (:mod:`sao.models.packing`), same result.
     """
     logp_BT, _ = _logprobs_impl(
-        model, tokens_BT, attention_mask_BT, temperature, chunk_size, with_entropy=False
+        model, tokens_BT, attention_mask_BT, temperature, chunk_size, False, packed
     )
     return logp_BT
 

@@ -93,10 +93,13 @@ class ValueModel(nn.Module):
             torch.manual_seed(seed)
             return cls(backbone)
 
-    def forward(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
-        """Values ``[B, T]`` (float32), 0 at padding positions."""
+    def forward(
+        self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, packed: bool = False
+    ) -> torch.Tensor:
+        """Values ``[B, T]`` (float32), 0 at padding positions. ``packed``: the
+        backbone runs padding-free (:mod:`sao.models.packing`), same values."""
         mask_BT = validate_token_batch(tokens_BT, attention_mask_BT)
-        hidden_BTH = run_backbone(self.backbone, tokens_BT, mask_BT)
+        hidden_BTH = run_backbone(self.backbone, tokens_BT, mask_BT, packed=packed)
         after_BT = self.value_head(hidden_BTH.float()).squeeze(-1)  # V(tokens <= t)
         values_BT = torch.zeros_like(after_BT)
         values_BT[:, 1:] = after_BT[:, :-1]  # V(tokens < t): the state token t was drawn in

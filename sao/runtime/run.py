@@ -183,6 +183,7 @@ def build_parts(
         max_bad_steps=t.max_bad_steps,
         temperature=r.temperature,
         max_action_tokens=r.max_turns * r.max_new_tokens,
+        packing=t.packing,
     )
     trainer = Trainer(policy, critic, algo, settings, ranks)
     return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, limits, device)

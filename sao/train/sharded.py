@@ -37,7 +37,13 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from sao.models.logprobs import sequence_logprobs
-from sao.train.split import micro_batch_rows, padding_micro_batch, select_rows, split_rows
+from sao.train.split import (
+    micro_batch_rows,
+    packed_micro_batch_rows,
+    padding_micro_batch,
+    select_rows,
+    split_rows,
+)
 from sao.types import Batch
 
 __all__ = [
@@ -76,14 +82,16 @@ class RankContext:
         return shard(module, self.mesh)
 
     def micro_batches(
-        self, batch: Batch, token_budget: int
+        self, batch: Batch, token_budget: int, *, packed: bool = False
     ) -> Iterator[tuple[Batch, torch.Tensor]]:
         """This rank's micro-batches of the whole ``batch``: ``(micro_batch,
         row_indices_into_batch)``, then padding ones (empty row index) up to the
-        busiest rank's count, so every rank runs as many forward/backward passes."""
+        busiest rank's count, so every rank runs as many forward/backward passes.
+        ``packed``: micro-batches hold ``token_budget`` real tokens, not padded ones."""
         lengths = batch.attention_mask_BT.sum(dim=1).tolist()
+        plan_rows = packed_micro_batch_rows if packed else micro_batch_rows
         plans = [
-            micro_batch_rows(lengths, rows, token_budget)
+            plan_rows(lengths, rows, token_budget)
             for rows in split_rows(lengths, batch.group_ids, self.world_size)
         ]
         mine = plans[self.rank]
@@ -150,14 +158,21 @@ class PolicyLogprobs(nn.Module):
     the model's own ``forward``.
     """
 
-    def __init__(self, policy: PreTrainedModel, temperature: float = 1.0) -> None:
+    def __init__(
+        self, policy: PreTrainedModel, temperature: float = 1.0, packed: bool = False
+    ) -> None:
         super().__init__()
         self.policy = policy
         self.temperature = temperature
+        self.packed = packed  # padding-free backbone forward (sao.models.packing)
 
     def forward(self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor) -> torch.Tensor:
         logp_BT = sequence_logprobs(
-            self.policy, tokens_BT, attention_mask_BT, temperature=self.temperature
+            self.policy,
+            tokens_BT,
+            attention_mask_BT,
+            temperature=self.temperature,
+            packed=self.packed,
         )
         return logp_BT.clone()  # not a view: FSDP2 hooks the output for the backward
 

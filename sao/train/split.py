@@ -15,7 +15,13 @@ import torch
 
 from sao.types import Batch
 
-__all__ = ["micro_batch_rows", "padding_micro_batch", "select_rows", "split_rows"]
+__all__ = [
+    "micro_batch_rows",
+    "packed_micro_batch_rows",
+    "padding_micro_batch",
+    "select_rows",
+    "split_rows",
+]
 
 
 def split_rows(
@@ -67,6 +73,30 @@ def micro_batch_rows(
     if group:
         out.append(group)
     return out
+
+
+def packed_micro_batch_rows(
+    lengths: Sequence[int], rows: Sequence[int], token_budget: int
+) -> list[list[int]]:
+    """Split ``rows`` into packed micro-batches of at most ``token_budget`` real
+    tokens each (the sum of their lengths: no padding is run). First-fit
+    decreasing: longest row first, into the first micro-batch it fits, else a
+    new one (at most 11/9 of the optimal count plus one; deterministic, ties
+    by row index). A row longer than the budget is its own micro-batch. Each
+    micro-batch's rows come back sorted; ``lengths`` is indexed by row."""
+    if token_budget < 1:
+        raise ValueError(f"token_budget must be >= 1, got {token_budget}")
+    bins: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(rows, key=lambda i: (-lengths[i], i)):
+        n = max(lengths[i], 1)
+        k = next((k for k, u in enumerate(used) if u + n <= token_budget), len(bins))
+        if k == len(bins):
+            bins.append([])
+            used.append(0)
+        bins[k].append(i)
+        used[k] += n
+    return [sorted(b) for b in bins]
 
 
 def select_rows(batch: Batch, rows: Sequence[int]) -> tuple[Batch, torch.Tensor]:

@@ -45,6 +45,7 @@ class OptimSettings:
     max_bad_steps: int = 3
     temperature: float = 1.0
     max_action_tokens: int = 256
+    packing: bool = False  # padding-free micro-batches (sao.models.packing)
 
 
 class NonFiniteError(RuntimeError):
@@ -82,7 +83,9 @@ class Trainer:
         self.policy, self.critic, self.algo, self.opt = policy, critic, algo, settings
         self.ranks = RankContext() if ranks is None else ranks
         # FSDP2 with N ranks (before the optimizers: parameters become DTensors); as is on one
-        self.actor = self.ranks.shard(PolicyLogprobs(policy, settings.temperature))
+        self.actor = self.ranks.shard(
+            PolicyLogprobs(policy, settings.temperature, settings.packing)
+        )
         if critic is not None:
             self.ranks.shard(critic)
         self.device = next(policy.parameters()).device
@@ -167,7 +170,7 @@ class Trainer:
             return None
         out = batch.rollout_logp_BT.new_zeros(batch.tokens_BT.shape, dtype=torch.float32)
         for mb, rows in self._with_rows(batch):
-            v = self.critic(mb.tokens_BT, mb.attention_mask_BT).float()
+            v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.opt.packing).float()
             out[rows, : v.shape[1]] = v
         return self.ranks.sum_rows(out)  # each row was filled by one rank
 
@@ -189,7 +192,7 @@ class Trainer:
             for mb, rows in self._with_rows(batch):
                 T = mb.tokens_BT.shape[1]
                 m = mask[rows, :T]
-                v = self.critic(mb.tokens_BT, mb.attention_mask_BT)
+                v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.opt.packing)
                 old = None if clip is None else old_values_BT[rows, :T]  # type: ignore[index]
                 ret = targets.returns_BT[rows, :T]
                 if not guard.usable(m, values_BT=v, returns_BT=ret, old_values_BT=old):
@@ -256,7 +259,7 @@ class Trainer:
         return self.ranks.sum_rows(out)
 
     def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
-        return self.ranks.micro_batches(batch, self.opt.token_budget)
+        return self.ranks.micro_batches(batch, self.opt.token_budget, packed=self.opt.packing)
 
     def _apply(
         self, model: str, weights: MasterWeights, optim: torch.optim.Optimizer, guard: _Guard
