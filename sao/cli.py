@@ -112,6 +112,7 @@ TINY_PRESETS = {
     "python_tool": "python-tiny",
     "style_shift": "style-shift-tiny",
     "reasoning_gym": "rgym-tiny",
+    "swe": "swe-tiny",
 }
 """The tiny preset whose task options and rollout limits ``sao models make ENV`` uses."""
 

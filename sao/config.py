@@ -266,6 +266,11 @@ class RuntimeConfig(_Section):
 
     max_lag: NonNegativeInt = 4
     """Staleness bound in versions; 0 = synchronous training."""
+    admission: Literal["jit", "static"] = "jit"
+    """When episodes start. ``jit``: as late as keeps the trainer fed, by feedback on
+    whether each batch was late or had trajectories to spare (a trainer-bound run then
+    trains on ~1-version-stale data). ``static``: as early as the bound allows
+    (``max_lag + 1`` batches ahead). ``max_lag`` is the hard bound in both (docs/async.md)."""
     watchdog_s: NonNegativeFloat = 900.0
     """Stop the run, saying what each episode in flight is waiting on, when no episode
     finishes and no step completes for this long (0: off). Raise it for steps or
@@ -415,6 +420,18 @@ PRESETS: dict[str, dict[str, Any]] = {
             },
         },
         "rollout": {"max_turns": 1},
+    },
+    "swe-tiny": {
+        # Synthetic one-bug repositories: read the file, copy the buggy expression and
+        # the issue's fix into one replace, submit; the tests are graded in the sandbox.
+        # A step that grades runs the tests (test_wall_s=20): hence the longer deadline.
+        "task": {"name": "swe", "options": {"max_turns": 6}},
+        "rollout": {
+            "max_turns": 6,
+            "max_new_tokens": 96,
+            "max_total_tokens": 768,
+            "step_timeout_s": 30.0,
+        },
     },
 }
 """Named starting points; ``calc-tiny`` is the default."""

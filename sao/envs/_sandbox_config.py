@@ -1,6 +1,7 @@
 """The supervisor's configuration for one :func:`sao.envs.sandbox.run_python`
-call: the sandbox uid, the limits, the paths the minimal root shows, the
-memory cgroup to make and whether a seccomp filter exists for this machine."""
+or :func:`sao.envs.sandbox.run_shell` call: the program, the sandbox uid, the
+limits, the paths the minimal root shows, the memory cgroup to make and
+whether a seccomp filter exists for this machine."""
 
 from __future__ import annotations
 
@@ -70,8 +71,13 @@ def supervisor_config(
     disk_mb: int,
     namespaces: bool,
     allow_root: bool,
+    command: str | None = None,
+    max_files: int | None = None,
 ) -> dict[str, object]:
-    """The supervisor's JSON configuration for one run."""
+    """The supervisor's JSON configuration for one run: ``python -I main.py``,
+    or with ``command`` ``/bin/sh -c command`` whose working directory is
+    copied back to ``code_dir / "out"`` afterwards (at most ``max_files``
+    files and directories, also the most its working directory may hold)."""
     work = code_dir / "work"
     uid = _UID_BASE + secrets.randbelow(1 << 24)
     nproc = max_processes if os.geteuid() == 0 else _user_threads(os.getuid()) + max_processes
@@ -85,7 +91,14 @@ def supervisor_config(
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
     }
+    if command is not None:  # the sandbox's interpreter is `python`; no .pyc files written back
+        env["PATH"] = f"{os.path.dirname(sys.executable)}:{env['PATH']}"
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+    program = {"kind": "python"} if command is None else {"kind": "shell", "command": command}
     return {
+        "program": program,
+        "export": None if command is None else str(code_dir / "out"),
+        "max_files": max_files,
         "python": sys.executable,
         "work": str(work),
         "root": str(code_dir / "root"),

@@ -19,8 +19,9 @@ import ctypes
 import os
 import platform
 import socket
+import stat
 
-__all__ = ["build_root", "enter_namespaces", "enter_root"]
+__all__ = ["TooManyFiles", "build_root", "copy_tree", "enter_namespaces", "enter_root"]
 
 CLONE_NEWNS, CLONE_NEWUTS, CLONE_NEWIPC = 0x00020000, 0x04000000, 0x08000000
 CLONE_NEWPID, CLONE_NEWNET = 0x20000000, 0x40000000
@@ -112,15 +113,101 @@ def _make_dev(root: str, shm_mb: int) -> None:
     mount("tmpfs", dev + "/shm", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, opts)
 
 
-def build_root(cfg: dict, code: bytes) -> None:
+class TooManyFiles(OSError):
+    """A tree holds more entries than :func:`copy_tree` was allowed to copy."""
+
+
+def _copy_file(name: str, src_dir: int, dst_dir: int, owner: int | None) -> os.stat_result | None:
+    """Copy the regular file ``name`` between two directory descriptors, never
+    following a link; None (nothing copied) for anything else, and with
+    ``owner`` for a file not owned by that uid or with more than one link."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=src_dir)
+    except OSError:
+        return None  # a link, a vanished or unreadable file
+    try:
+        st = os.fstat(fd)
+        foreign = owner is not None and (st.st_uid != owner or st.st_nlink != 1)
+        if not stat.S_ISREG(st.st_mode) or foreign:
+            return None
+        out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=dst_dir)
+        try:
+            while chunk := os.read(fd, 1 << 16):
+                os.write(out, chunk)
+            os.fchmod(out, (st.st_mode & 0o777) | 0o600)
+        finally:
+            os.close(out)
+        return st
+    finally:
+        os.close(fd)
+
+
+def copy_tree(
+    src: str,
+    dst: str,
+    *,
+    chown: int | None = None,
+    links: bool = True,
+    owner: int | None = None,
+    max_entries: int | None = None,
+) -> int:
+    """Copy the contents of directory ``src`` into the existing directory ``dst``.
+
+    Copies directories, regular files (permission bits kept, set-id bits
+    dropped) and, with ``links``, symbolic links as links; never follows a
+    link and skips everything else (fifos, sockets, devices). ``chown``: the
+    copies belong to that uid. ``owner``: only entries owned by that uid (and
+    files with a single link) are copied, so a hard link to a file the
+    program could not otherwise read is never read on its behalf. Raises
+    :class:`TooManyFiles` past ``max_entries`` entries; returns the number copied.
+    """
+    count = 0
+    todo = [("", os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW))]
+    while todo:
+        rel, src_fd = todo.pop()
+        dst_fd = os.open(os.path.join(dst, rel), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for entry in os.scandir(src_fd):
+                count += 1
+                if max_entries is not None and count > max_entries:
+                    raise TooManyFiles(f"more than {max_entries} files and directories")
+                st = entry.stat(follow_symlinks=False)
+                if owner is not None and st.st_uid != owner:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    os.mkdir(entry.name, 0o755, dir_fd=dst_fd)
+                    child = os.open(
+                        entry.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=src_fd
+                    )
+                    todo.append((os.path.join(rel, entry.name), child))
+                elif stat.S_ISLNK(st.st_mode):
+                    if links:
+                        os.symlink(
+                            os.readlink(entry.name, dir_fd=src_fd), entry.name, dir_fd=dst_fd
+                        )
+                elif _copy_file(entry.name, src_fd, dst_fd, owner) is None:
+                    continue
+                if chown is not None:
+                    os.chown(entry.name, chown, chown, dir_fd=dst_fd, follow_symlinks=False)
+        finally:
+            os.close(src_fd)
+            os.close(dst_fd)
+    for _, fd in todo:  # left over after an error
+        os.close(fd)
+    return count
+
+
+def build_root(cfg: dict) -> None:
     """Assemble the program's file system under ``cfg["root"]``.
 
     Read-only: the paths in ``cfg["needed_paths"]`` (interpreter, standard
     library, site-packages, system libraries), everything else in the root.
     Writable: the working directory ``cfg["work"]`` (a tmpfs of
-    ``cfg["disk_mb"]`` MiB owned by the sandbox uid, holding ``main.py`` =
-    ``code``) and ``/dev/shm`` (a tmpfs of the same size). Mounts made here
-    never reach the host: the mount namespace is made private first.
+    ``cfg["disk_mb"]`` MiB, with at most ``cfg["max_files"]`` entries when
+    set, owned by the sandbox uid, holding a copy of the host's
+    ``cfg["work"]``: ``main.py``, or the files of a shell command's working
+    copy) and ``/dev/shm`` (a tmpfs of the same size). Mounts made here never
+    reach the host: the mount namespace is made private first.
     """
     root = cfg["root"]
     mount(None, "/", None, MS_REC | MS_PRIVATE)
@@ -136,9 +223,10 @@ def build_root(cfg: dict, code: bytes) -> None:
     work = root + cfg["work"]
     os.makedirs(work, mode=0o755, exist_ok=True)
     opts = f"size={cfg['disk_mb']}m,mode=0700,uid={cfg['uid']},gid={cfg['uid']}"
+    if cfg.get("max_files"):
+        opts += f",nr_inodes={cfg['max_files'] + 1}"  # + the directory itself
     mount("tmpfs", work, "tmpfs", MS_NOSUID | MS_NODEV, opts)
-    with open(os.path.join(work, "main.py"), "wb") as f:
-        f.write(code)
+    copy_tree(cfg["work"], work, chown=cfg["uid"])
     mount(None, root, None, MS_REMOUNT | MS_BIND | MS_RDONLY | MS_NOSUID | MS_NODEV)
 
 

@@ -7,14 +7,18 @@ and pid namespaces and builds a minimal read-only root (``_sandbox_jail``),
 then forks an init process (pid 1 of the new pid namespace) that pivots into
 that root and forks the user's program. The program joins the cgroup, drops
 to the sandbox uid, applies resource limits and a seccomp filter
-(``_sandbox_limits``) and execs ``python -I -u main.py``. Without namespaces
+(``_sandbox_limits``) and execs ``python -I -u main.py`` (``config["program"]``
+kind ``python``) or ``/bin/sh -c COMMAND`` (kind ``shell``) in its working
+directory, a copy of the host's ``config["work"]``. Without namespaces
 (refused, or not asked for) the supervisor forks the program directly.
 
 The supervisor is a child subreaper, so every process the program starts
 stays in its subtree: when the program exits, or when the parent sends
-``SIGUSR1`` (deadline) or dies, it kills the whole subtree, reaps it, removes
-the cgroup and writes a JSON report (isolation achieved, the program's wait
-status, processes killed, memory-limit kills) to ``config["report"]``.
+``SIGUSR1`` (deadline) or dies, it kills the whole subtree, reaps it, copies
+the working directory's final files to ``config["export"]`` when that is set
+(directories and regular files only), removes the cgroup and writes a JSON
+report (isolation achieved, the program's wait status, processes killed,
+memory-limit kills, whether the export succeeded) to ``config["report"]``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import time
 
 sys.path.append(os.path.dirname(os.path.abspath(__file__)))  # -I leaves it out; last, so
 # that nothing in this directory can shadow the standard library
-from _sandbox_jail import build_root, enter_namespaces, enter_root
+from _sandbox_jail import TooManyFiles, build_root, copy_tree, enter_namespaces, enter_root
 from _sandbox_limits import MemoryCgroup, apply_rlimits, install_seccomp
 
 PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
@@ -97,10 +101,8 @@ def _isolate(cfg: dict, report: dict) -> None:
     """Enter namespaces and build the root where allowed; decide the uid."""
     root = os.geteuid() == 0
     if root and cfg["namespaces"] and enter_namespaces():
-        with open(os.path.join(cfg["work"], "main.py"), "rb") as f:
-            code = f.read()
         try:
-            build_root(cfg, code)
+            build_root(cfg)
             report["namespaces"] = report["drop_uid"] = True
             return
         except OSError as e:  # the namespaces hold; the program is not started
@@ -127,8 +129,7 @@ def _exec_program(cfg: dict, report: dict, cgroup: MemoryCgroup | None) -> None:
         uid = cfg["uid"]
         if report["drop_uid"] and os.geteuid() == 0:
             if not report["namespaces"]:
-                for name in ("", "main.py"):
-                    os.chown(os.path.join(cfg["work"], name), uid, uid)
+                _chown_tree(cfg["work"], uid)
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
@@ -137,12 +138,39 @@ def _exec_program(cfg: dict, report: dict, cgroup: MemoryCgroup | None) -> None:
         apply_rlimits(cfg["limits"])
         if report["seccomp"] and not install_seccomp(deny_memory=cgroup is None):
             raise OSError("the seccomp filter was refused")
+        program = cfg["program"]
+        if program["kind"] == "shell":
+            os.execve("/bin/sh", ["/bin/sh", "-c", program["command"]], cfg["env"])
         argv = [cfg["python"], "-I", "-u"]
         argv += ["main.py"] if report["namespaces"] else ["-c", _NO_NETWORK_BOOT]
         os.execve(cfg["python"], argv, cfg["env"])
     except BaseException as e:  # report and never return into the supervisor
         os.write(2, f"sandbox: could not start the program: {e}\n".encode())
     os._exit(126)
+
+
+def _chown_tree(path: str, uid: int) -> None:
+    """Give ``path`` and everything under it (links themselves, not their
+    targets) to ``uid``."""
+    os.chown(path, uid, uid)
+    for top, dirs, files in os.walk(path):
+        for name in dirs + files:
+            os.chown(os.path.join(top, name), uid, uid, follow_symlinks=False)
+
+
+def _export(cfg: dict, report: dict) -> None:
+    """Copy the program's final working directory to ``cfg["export"]``
+    (every process of the program is gone by now): directories and regular
+    files only, and with a dropped uid only those the sandbox uid owns."""
+    source = cfg["root"] + cfg["work"] if report["namespaces"] else cfg["work"]
+    owner = cfg["uid"] if report["drop_uid"] else None
+    try:
+        copy_tree(source, cfg["export"], links=False, owner=owner, max_entries=cfg["max_files"])
+        report["exported"] = True
+    except TooManyFiles as e:
+        report["export_error"] = str(e)
+    except OSError as e:
+        report["export_error"] = f"could not copy the files back: {e}"
 
 
 def _start_init(cfg: dict, report: dict, cgroup: MemoryCgroup | None) -> tuple[int, int]:
@@ -270,6 +298,8 @@ def _run(cfg: dict, report: dict, cgroup: MemoryCgroup | None) -> None:
         signal.signal(signal.SIGUSR1, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
     killed = _kill_subtree(statuses)
+    if cfg.get("export") and pid > 0:
+        _export(cfg, report)
     report["stopped"] = not finished
     report["leftovers"] = len(killed - {pid}) if finished else 0
     report["status"] = statuses.get(pid)

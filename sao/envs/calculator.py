@@ -35,7 +35,8 @@ from dataclasses import dataclass
 
 from sao.envs._split import draw_problem, split_of, stable_hash
 from sao.envs._state import expect_same, read, read_optional
-from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+from sao.envs._tools import as_observation, last_line, opening, replay
+from sao.envs.base import Conversation, Observation, Split, StepResult
 
 __all__ = ["EVAL_SHARE", "CalcError", "CalculatorEnv", "CalculatorTask", "evaluate", "solve_steps"]
 
@@ -219,9 +220,7 @@ class CalculatorEnv:
 
     def first_observation(self) -> Observation:
         """What ``reset`` returns: the prompt, after the system message if enabled."""
-        if self.system:
-            return (Message("system", SYSTEM_PROMPT), Message("user", self.prompt))
-        return self.prompt
+        return as_observation(opening(self.prompt, SYSTEM_PROMPT if self.system else None))
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode; the problem is fixed, ``seed`` is unused."""
@@ -249,8 +248,7 @@ class CalculatorEnv:
 
     def _respond(self, action: str) -> tuple[str | None, bool]:
         """The observation for ``action`` and whether the turn was wasted."""
-        lines = [ln.strip() for ln in action.strip().splitlines() if ln.strip()]
-        m = _LINE.match(lines[-1]) if lines else None
+        m = _LINE.match(last_line(action))
         if m is None:
             return FORMAT_HINT, True
         kind, arg = m.group(1).lower(), m.group(2).strip()
@@ -402,16 +400,7 @@ class CalculatorTask:
             actions = [f"calc {expr}", f"answer {value}"]
         else:
             actions = _demo_actions(env.problem, rng, self.error_rate, one_call=one_call)
-        msgs = [Message("system", SYSTEM_PROMPT)] if self.system else []
-        msgs.append(Message("user", env.prompt))
-        for action in actions:
-            result = env.act(action)
-            msgs.append(Message("assistant", action))
-            if result.done:
-                break
-            if isinstance(result.observation, str):
-                msgs.append(Message("user", result.observation))
-        return tuple(msgs)
+        return replay(opening(env.prompt, SYSTEM_PROMPT if self.system else None), actions, env.act)
 
 
 def _demo_actions(

@@ -36,6 +36,7 @@ from pathlib import Path
 
 from sao.envs._split import stable_hash
 from sao.envs._state import expect_same, read, read_optional
+from sao.envs._tools import as_observation
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = [
@@ -258,8 +259,7 @@ class DatasetEnv:
 
     def first_observation(self) -> Observation:
         """What ``reset`` returns: plain text for a lone user message, else the messages."""
-        msgs = self.first_messages()
-        return msgs[0].content if len(msgs) == 1 and msgs[0].role == "user" else tuple(msgs)
+        return as_observation(self.first_messages())
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode; the example is fixed, ``seed`` is unused."""

@@ -35,7 +35,8 @@ from collections.abc import Mapping
 
 from sao.envs._split import stable_hash
 from sao.envs._state import expect_same, read, read_list
-from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+from sao.envs._tools import Transcript, as_observation, last_line, opening
+from sao.envs.base import Conversation, Observation, Split, StepResult
 
 __all__ = ["GuessNumberEnv", "GuessNumberTask"]
 
@@ -68,9 +69,7 @@ class GuessNumberEnv:
 
     def first_observation(self) -> Observation:
         """What ``reset`` returns: the prompt, after the system message if enabled."""
-        if self.system:
-            return (Message("system", SYSTEM_PROMPT), Message("user", self.prompt))
-        return self.prompt
+        return as_observation(opening(self.prompt, SYSTEM_PROMPT if self.system else None))
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode; the hidden number is fixed, ``seed`` is unused."""
@@ -96,8 +95,7 @@ class GuessNumberEnv:
         return StepResult(obs, done=self.done, info=info)
 
     def _respond(self, action: str) -> str | None:
-        lines = [ln.strip() for ln in action.strip().splitlines() if ln.strip()]
-        m = _LINE.match(lines[-1]) if lines else None
+        m = _LINE.match(last_line(action))
         if m is None:
             self.wasted += 1
             return FORMAT_HINT
@@ -207,20 +205,16 @@ class GuessNumberTask:
 
     def _demo(self, rng: random.Random) -> Conversation:
         env = self.make_env("train", rng.randrange(10**9))
-        msgs = [Message("system", SYSTEM_PROMPT)] if self.system else []
-        msgs.append(Message("user", env.prompt))
+        transcript = Transcript(opening(env.prompt, SYSTEM_PROMPT if self.system else None))
         lo, hi = 1, self.n
         while not env.done:
             guess = _noisy_guess(lo, hi, self.n, rng, self.error_rate)
-            result = env.act(f"guess {guess}")
-            msgs.append(Message("assistant", f"guess {guess}"))
+            result = transcript.play(env.act, f"guess {guess}")
             if result.observation == "higher":
                 lo = max(lo, guess + 1)
             elif result.observation == "lower":
                 hi = min(hi, guess - 1)
-            if isinstance(result.observation, str):
-                msgs.append(Message("user", result.observation))
-        return tuple(msgs)
+        return transcript.conversation()
 
 
 def _noisy_guess(lo: int, hi: int, n: int, rng: random.Random, error_rate: float) -> int:

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 from sao.envs._split import draw_problem, split_of, stable_hash
 from sao.envs._state import expect_same, read, read_optional
+from sao.envs._tools import Transcript, as_observation, clip, opening
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 from sao.envs.sandbox import SandboxResult, run_python
 
@@ -149,15 +150,10 @@ def tool_observation(result: SandboxResult, obs_chars: int) -> str:
     if result.killed_reason and result.killed_reason != "leftover_processes":
         status = f"(stopped: {result.killed_reason})"
     if not parts:
-        return _clip(status or "(no output)", obs_chars)
+        return clip(status or "(no output)", obs_chars)
     if not status:
-        return _clip("\n".join(parts), obs_chars)
-    return _clip("\n".join(parts), obs_chars - len(status) - 1) + "\n" + status
-
-
-def _clip(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters, ending in ``...`` when cut."""
-    return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+        return clip("\n".join(parts), obs_chars)
+    return clip("\n".join(parts), obs_chars - len(status) - 1) + "\n" + status
 
 
 class PythonToolEnv:
@@ -191,13 +187,11 @@ class PythonToolEnv:
 
     def first_messages(self) -> list[Message]:
         """The problem, after the system message if enabled."""
-        user = Message("user", self.problem.text)
-        return [Message("system", SYSTEM_PROMPT), user] if self.system else [user]
+        return opening(self.problem.text, SYSTEM_PROMPT if self.system else None)
 
     def first_observation(self) -> Observation:
         """What ``reset`` returns: the problem text, or system and user messages."""
-        msgs = self.first_messages()
-        return tuple(msgs) if self.system else msgs[0].content
+        return as_observation(self.first_messages())
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode; the problem is fixed, ``seed`` is unused."""
@@ -368,12 +362,10 @@ class PythonToolTask:
 
     def _demo(self, rng: random.Random) -> Conversation:
         env = self.make_env("train", rng.randrange(10**9))
-        msgs = env.first_messages()
+        transcript = Transcript(env.first_messages())
         for action, obs in _demo_turns(env.problem, rng, self.error_rate):
-            msgs.append(Message("assistant", action))
-            if obs is not None:
-                msgs.append(Message("user", _clip(obs, self.obs_chars)))
-        return tuple(msgs)
+            transcript.record(action, None if obs is None else clip(obs, self.obs_chars))
+        return transcript.conversation()
 
 
 def _demo_turns(p: Problem, rng: random.Random, error_rate: float) -> list[tuple[str, str | None]]:

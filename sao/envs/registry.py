@@ -18,6 +18,7 @@ _BUILTIN: dict[str, tuple[str, str]] = {
     "style_shift": ("sao.envs.style_shift", "StyleShiftTask"),
     "dataset": ("sao.envs.dataset", "DatasetTask"),
     "python_tool": ("sao.envs.python_tool", "PythonToolTask"),
+    "swe": ("sao.envs.swe", "SweTask"),
 }
 
 

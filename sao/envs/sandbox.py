@@ -44,12 +44,14 @@ import signal
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sao.envs._sandbox_config import supervisor_config
+from sao.envs._sandbox_jail import copy_tree
 
-__all__ = ["Isolation", "SandboxResult", "describe_isolation", "run_python"]
+__all__ = ["Isolation", "SandboxResult", "describe_isolation", "run_python", "run_shell"]
 
 _SUPERVISOR = Path(__file__).with_name("_sandbox_supervisor.py")
 _STOP_GRACE_S = 5.0
@@ -117,6 +119,9 @@ class SandboxResult:
     isolation: Isolation = field(default_factory=Isolation)
     pid: int = 0
     """Pid (and process-group id) of the sandbox's supervisor process."""
+    export_error: str | None = None
+    """:func:`run_shell` only: why the working directory's final files were not
+    copied back (e.g. more than ``max_files``), or None."""
 
     @property
     def ok(self) -> bool:
@@ -213,30 +218,150 @@ async def run_python(
     """
     sizes = {"file_size_mb": file_size_mb, "max_processes": max_processes, "disk_mb": disk_mb}
     _check_limits(wall_s, cpu_s, memory_mb, max_output_chars, sizes)
+
+    def seed(work: Path) -> None:
+        (work / "main.py").write_bytes(code.encode("utf-8", errors="replace"))
+
+    limits = {"cpu_s": cpu_s, "memory_mb": memory_mb, "namespaces": namespaces, **sizes}
+    return await _sandboxed(
+        seed, limits, wall_s, max_output_chars, flood_bytes, allow_root=allow_root
+    )
+
+
+async def run_shell(
+    command: str,
+    workdir: str | os.PathLike[str],
+    *,
+    wall_s: float = 5.0,
+    cpu_s: int = 5,
+    memory_mb: int = 256,
+    file_size_mb: int = 1,
+    max_output_chars: int = 2000,
+    max_processes: int = 32,
+    disk_mb: int = 16,
+    max_files: int = 2000,
+    flood_bytes: int = 4_000_000,
+    namespaces: bool = True,
+    allow_root: bool = False,
+    write_back: bool = True,
+) -> SandboxResult:
+    """Run ``/bin/sh -c command`` in a fresh sandbox whose working directory
+    is a copy of ``workdir`` (a persistent working copy, e.g. an agent's
+    repository), with the limits and isolation of :func:`run_python`.
+
+    The working directory (a tmpfs of ``disk_mb`` MiB holding at most
+    ``max_files`` files and directories in namespace mode) starts as a copy
+    of ``workdir``: directories, regular files and symbolic links as links
+    (they resolve inside the sandbox). With ``write_back`` its final state,
+    also after a timeout or a kill, replaces ``workdir``'s contents:
+    directories and regular files only (links, fifos and other special files
+    the command made are dropped); when it cannot be copied back
+    (``export_error``) ``workdir`` is left as it was. The sandbox's
+    interpreter is first on ``PATH`` as ``python``; bytecode is not written.
+    Raises ``ValueError`` when ``workdir`` is not a directory or holds more
+    than ``disk_mb`` MiB or ``max_files`` entries.
+    """
+    sizes = {"file_size_mb": file_size_mb, "max_processes": max_processes, "disk_mb": disk_mb}
+    _check_limits(wall_s, cpu_s, memory_mb, max_output_chars, {**sizes, "max_files": max_files})
+    source = Path(workdir)
+    _check_workdir(source, disk_mb, max_files)
+
+    def seed(work: Path) -> None:
+        copy_tree(str(source), str(work))
+
+    limits = {"cpu_s": cpu_s, "memory_mb": memory_mb, "namespaces": namespaces, **sizes}
+    return await _sandboxed(
+        seed,
+        limits,
+        wall_s,
+        max_output_chars,
+        flood_bytes,
+        allow_root=allow_root,
+        command=command,
+        max_files=max_files,
+        write_back=source if write_back else None,
+    )
+
+
+def _check_workdir(workdir: Path, disk_mb: int, max_files: int) -> None:
+    """Raise a ``ValueError`` when ``workdir`` cannot fit the sandbox's working directory."""
+    if not workdir.is_dir():
+        raise ValueError(f"run_shell: workdir {str(workdir)!r} is not a directory")
+    entries, size = 0, 0
+    for top, dirs, files in os.walk(workdir):
+        entries += len(dirs) + len(files)
+        size += sum(os.lstat(os.path.join(top, f)).st_size for f in files)
+    if entries > max_files:
+        raise ValueError(f"run_shell: workdir holds {entries} entries, more than max_files")
+    if size > disk_mb << 20:
+        raise ValueError(f"run_shell: workdir holds {size} bytes, more than disk_mb={disk_mb}")
+
+
+async def _sandboxed(
+    seed: Callable[[Path], None],
+    limits: dict[str, int | bool],
+    wall_s: float,
+    max_output_chars: int,
+    flood_bytes: int,
+    *,
+    allow_root: bool,
+    command: str | None = None,
+    max_files: int | None = None,
+    write_back: Path | None = None,
+) -> SandboxResult:
+    """One sandbox run: a private directory whose ``work`` folder ``seed``
+    fills, the supervisor, the result; with ``write_back`` the exported
+    working directory then replaces that directory's contents."""
     start = time.monotonic()
     code_dir = Path(tempfile.mkdtemp(prefix="sao-sandbox-"))
     cfg: dict[str, object] = {}
     try:
         code_dir.chmod(0o711)  # the sandbox uid may traverse, never list or write
-        (code_dir / "work").mkdir(mode=0o700)
-        (code_dir / "root").mkdir(mode=0o700)
-        (code_dir / "work" / "main.py").write_bytes(code.encode("utf-8", errors="replace"))
+        for name in ("work", "root", "out"):
+            (code_dir / name).mkdir(mode=0o700)
+        seed(code_dir / "work")
         cfg = supervisor_config(
             code_dir,
-            cpu_s=cpu_s,
-            memory_mb=memory_mb,
-            file_size_mb=file_size_mb,
-            max_processes=max_processes,
-            disk_mb=disk_mb,
-            namespaces=namespaces,
+            cpu_s=int(limits["cpu_s"]),
+            memory_mb=int(limits["memory_mb"]),
+            file_size_mb=int(limits["file_size_mb"]),
+            max_processes=int(limits["max_processes"]),
+            disk_mb=int(limits["disk_mb"]),
+            namespaces=bool(limits["namespaces"]),
             allow_root=allow_root,
+            command=command,
+            max_files=max_files,
         )
         capture = _Capture(4 * max_output_chars + 4, flood_bytes)
         pid, stop_reason = await _supervise(cfg, capture, wall_s)
-        return _result(capture, code_dir, cfg, pid, stop_reason, max_output_chars, start)
+        report = _report(code_dir)
+        result = _result(capture, report, cfg, pid, stop_reason, max_output_chars, start)
+        if write_back is not None and report.get("exported"):
+            _replace_contents(write_back, code_dir / "out")
+        return result
     finally:
         shutil.rmtree(code_dir, ignore_errors=True)
         _remove_cgroup(cfg)
+
+
+def _report(code_dir: Path) -> dict[str, object]:
+    """The supervisor's report, or {} when it wrote none."""
+    try:
+        report: dict[str, object] = json.loads((code_dir / "report.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return report
+
+
+def _replace_contents(target: Path, source: Path) -> None:
+    """Make ``target``'s contents those of ``source`` (moved, not copied)."""
+    for entry in os.scandir(target):
+        if entry.is_dir(follow_symlinks=False):
+            shutil.rmtree(entry.path)
+        else:
+            os.unlink(entry.path)
+    for entry in os.scandir(source):
+        shutil.move(entry.path, target / entry.name)
 
 
 def _remove_cgroup(cfg: dict[str, object]) -> None:
@@ -351,7 +476,7 @@ def _decode(buf: bytearray, limit: int, work: str) -> tuple[str, bool]:
 
 def _result(
     capture: _Capture,
-    code_dir: Path,
+    report: dict[str, object],
     cfg: dict[str, object],
     pid: int,
     stop_reason: str | None,
@@ -362,14 +487,10 @@ def _result(
     work = str(cfg["work"])
     stdout, cut_out = _decode(capture.data[1], max_output_chars, work)
     stderr, cut_err = _decode(capture.data[2], max_output_chars, work)
-    try:
-        report = json.loads((code_dir / "report.json").read_text())
-    except (OSError, ValueError):
-        report = {}
     if report.get("refused"):
         raise PermissionError(f"run_python: {report['refused']}")
     status = report.get("status")
-    exit_code = None if status is None else os.waitstatus_to_exitcode(status)
+    exit_code = None if not isinstance(status, int) else os.waitstatus_to_exitcode(status)
     reason = stop_reason or _stop_reason(exit_code, capture.reasons, report)
     if not report and reason is None:
         reason = "sandbox_error"
@@ -388,9 +509,10 @@ def _result(
         killed_reason=reason,
         truncated=capture.truncated or cut_out or cut_err,
         duration_s=time.monotonic() - start,
-        leftover_processes=int(report.get("leftovers", 0)),
+        leftover_processes=int(str(report.get("leftovers", 0))),
         isolation=isolation,
         pid=pid,
+        export_error=None if report.get("export_error") is None else str(report["export_error"]),
     )
 
 

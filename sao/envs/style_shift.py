@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 
 from sao.envs._state import expect_same, read, read_optional
-from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+from sao.envs._tools import Transcript, as_observation, opening
+from sao.envs.base import Conversation, Observation, Split, StepResult
 from sao.envs.style_judges import (
     MARKERS,
     MAX_TEXT,
@@ -168,9 +169,7 @@ class StyleShiftEnv:
 
     def first_observation(self) -> Observation:
         """What ``reset`` returns: the prompt, after the system message if enabled."""
-        if self.system:
-            return (Message("system", SYSTEM_PROMPT), Message("user", self.prompt))
-        return self.prompt
+        return as_observation(opening(self.prompt, SYSTEM_PROMPT if self.system else None))
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode; the topic is fixed, ``seed`` is unused."""
@@ -361,9 +360,9 @@ class StyleShiftTask:
         out: list[Conversation] = []
         for _ in range(n):
             env = self._env(self.topic("train", rng.randrange(10**9)), self.preferred)
-            msgs = [Message("system", SYSTEM_PROMPT)] if self.system else []
-            msgs.append(Message("user", env.prompt))
-            out.append((*msgs, Message("assistant", self._demo_text(env.topic, rng))))
+            transcript = Transcript(opening(env.prompt, SYSTEM_PROMPT if self.system else None))
+            transcript.record(self._demo_text(env.topic, rng), None)
+            out.append(transcript.conversation())
         return out
 
     def _demo_text(self, topic: str, rng: random.Random) -> str:

@@ -199,8 +199,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "with a 128-reward window, and its training reward recovers sooner. Here: "
                 "style-shift-tiny, preferred style cute, then chuunibyou from actor step "
                 "133, classical from 266 (dashed lines); held-out success is judged with the "
-                "style preferred at the time of each eval (per-style held-out success and "
-                "steps-to-recover are not logged yet). " + _COMPARED
+                "style preferred at the time of each eval, and by every style (eval/style_*); "
+                "results.md gives the steps each arm needs to recover after each switch. "
+                + _COMPARED
             ),
             preset="style-shift-tiny",
             base=_steps(400),
@@ -217,6 +218,23 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "~5 min more for the seed-1 and seed-2 warm starts"
             ),
             marks=(133, 266),  # the default schedule of the style_shift task
+        ),
+        Experiment(
+            name="admission",
+            claim=(
+                "Not a paper claim; the runtime's: starting episodes just in time "
+                "(runtime.admission=jit) trains a trainer-bound run on ~1-version-stale data "
+                "instead of max_lag-stale data at the same speed, and fresher data collapses "
+                "less often. Here: SAO on calc-tiny for 200 actor steps, runtime.max_lag=4 in "
+                "both arms. " + _COMPARED
+            ),
+            preset="calc-tiny",
+            base=_steps(200),
+            arms={
+                "static": (*_SAO, "runtime.admission=static"),
+                "jit": (*_SAO, "runtime.admission=jit"),
+            },
+            cost="~1 h for 3 seeds: 6 runs of 200 steps at ~2-3 s a step, 1 at a time",
         ),
         Experiment(
             name="stability",

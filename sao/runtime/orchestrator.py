@@ -25,6 +25,7 @@ from sao.rollout.envcall import describe_error, stalls
 from sao.rollout.progress import progress
 from sao.rollout.resume import EpisodeResume
 from sao.rollout.router import NoLiveEngineError
+from sao.runtime.admission import JustInTime
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.runner import EpisodeRunner, Played, samples
 from sao.runtime.staleness import StalenessGate
@@ -122,8 +123,11 @@ class Orchestrator:
         state: RolloutState | None = None,
         failure: FailurePolicy | None = None,
         report: Report | None = None,
+        admission: JustInTime | None = None,
     ) -> None:
         self.runner, self.sampling = runner, sampling
+        self.admission = admission
+        """Just-in-time admission (None: the gate's static rule, ``max_lag + 1`` batches)."""
         self.failure, self.report = failure or FailurePolicy(), report
         self.gate, self.buffer = gate, buffer
         self.in_flight, self.group_size, self.seed = in_flight, group_size, seed
@@ -154,11 +158,14 @@ class Orchestrator:
 
     async def produce(self) -> None:
         """Keep ``in_flight`` episodes running, within the gate's capacity."""
-        G = self.group_size
+        G, jit, B = self.group_size, self.admission, self.gate.batch_size
         while True:
             if self._fatal is not None:  # an episode hit an error the run cannot survive
                 raise self._fatal
-            if self._running + G <= self.in_flight and self.gate.can_start(self.consumed, G):
+            cap = None if jit is None else jit.capacity(self.consumed, B)
+            if self._running + G <= self.in_flight and self.gate.can_start(
+                self.consumed, G, capacity=cap
+            ):
                 self._start_group(self._next_index())
                 continue
             t0 = time.perf_counter()
@@ -184,6 +191,7 @@ class Orchestrator:
 
     async def _episode(self, index: int, member: int) -> None:
         ids = {"prompt_id": f"train/{index}", "group_id": f"train/{index}"}
+        started = time.perf_counter()
         resume = self.state.resume.pop(f"{index}/{member}", None)
         try:
             try:
@@ -200,6 +208,8 @@ class Orchestrator:
             except Exception as err:  # an engine error, or a bug: this episode fails
                 why = f"the episode raised {describe_error(err)}"
                 traj = failed_trajectory(**ids, sampling=self.sampling, reason="error", error=why)
+            if self.admission is not None:
+                self.admission.episode_done(time.perf_counter() - started)
             for sample in self._samples(traj):
                 self._finished(sample)
         except NoLiveEngineError as err:  # the run cannot go on
@@ -329,8 +339,17 @@ class Orchestrator:
             while self.consumed < steps:
                 self.doing = f"waiting for the batch of step {self.consumed + 1}"
                 t0 = time.perf_counter()
+                if self.admission is not None:
+                    self.admission.ask(t0)
                 batch = await self._guarded(self.buffer.take(batch_size, self.version), guards)
-                self.clock.trainer_idle_s += time.perf_counter() - t0
+                t_took = time.perf_counter()
+                self.clock.trainer_idle_s += t_took - t0
+                if self.admission is not None:
+                    surplus = self.buffer.num_ready()
+                    self.admission.took(
+                        t_took, waited_s=t_took - t0, surplus=surplus, batch_size=batch_size
+                    )
+                    self._wake.set()  # ahead may have grown
                 train_actor = self.consumed >= warmup_steps
                 taken_at = self.version
                 self.doing = f"training step {self.consumed + 1}"
@@ -382,6 +401,8 @@ class Orchestrator:
         """What the run is waiting on, on one line."""
         g = self.gate
         capacity = (self.consumed + g.max_lag + 1) * g.batch_size
+        if self.admission is not None:
+            capacity = min(capacity, self.admission.capacity(self.consumed, g.batch_size))
         waiting = progress.describe() or [f"train/{i}" for i in sorted(self.state.in_flight)]
         return (
             f"no episode finished and no step completed for {idle_s:.0f} s "
@@ -400,26 +421,45 @@ class Orchestrator:
         rewrote a reply (:mod:`sao.rollout.tito`)."""
         lags = [self.gate.lag(t, taken_at) for t in batch]
         wall = max(self.clock.elapsed(), 1e-9)
+        return (
+            {
+                "staleness/mean": sum(lags) / max(len(lags), 1),
+                "staleness/max": float(max(lags, default=0)),
+                "dropped/stale": float(self.gate.dropped),
+                "dropped/filtered": float(self.buffer.filtered),
+                "dropped/failed": float(self.buffer.failed),
+                "episodes/env_error": float(self.env_errors),
+                "episodes/timeout": float(self.timeouts),
+                "episodes/error": float(self.errors),
+                "episodes/failed": float(self.failed),
+                "episodes/observations_truncated": float(self.observations_truncated),
+                "tito/mismatch_frac": self.tito_mismatches / max(self.tito_checked, 1),
+                "tito/rewrite_frac": self.tito_rewrites / max(self.tito_checked, 1),
+                "env/max_block_s": stalls.take_max(),
+                "throughput/trajectories_per_s": self.episodes_done / wall,
+                "throughput/tokens_per_s": self.tokens_done / wall,
+                "idle/trainer_frac": self.clock.trainer_idle_s / wall,
+                "idle/rollout_frac": self.clock.rollout_idle_s / wall,
+                "version": float(self.version),
+            }
+            | self._admission_metrics()
+            | self.runner.metrics()
+        )
+
+    def _admission_metrics(self) -> dict[str, float]:
+        """``admission/ahead`` (batches that may be generated beyond the one in
+        training), ``admission/waits`` (steps whose batch was late), and the
+        estimates ``admission/step_s`` (trainer busy per step) and
+        ``admission/episode_s`` (a high quantile of episode durations)."""
+        jit = self.admission
+        if jit is None:
+            return {}
         return {
-            "staleness/mean": sum(lags) / max(len(lags), 1),
-            "staleness/max": float(max(lags, default=0)),
-            "dropped/stale": float(self.gate.dropped),
-            "dropped/filtered": float(self.buffer.filtered),
-            "dropped/failed": float(self.buffer.failed),
-            "episodes/env_error": float(self.env_errors),
-            "episodes/timeout": float(self.timeouts),
-            "episodes/error": float(self.errors),
-            "episodes/failed": float(self.failed),
-            "episodes/observations_truncated": float(self.observations_truncated),
-            "tito/mismatch_frac": self.tito_mismatches / max(self.tito_checked, 1),
-            "tito/rewrite_frac": self.tito_rewrites / max(self.tito_checked, 1),
-            "env/max_block_s": stalls.take_max(),
-            "throughput/trajectories_per_s": self.episodes_done / wall,
-            "throughput/tokens_per_s": self.tokens_done / wall,
-            "idle/trainer_frac": self.clock.trainer_idle_s / wall,
-            "idle/rollout_frac": self.clock.rollout_idle_s / wall,
-            "version": float(self.version),
-        } | self.runner.metrics()
+            "admission/ahead": jit.ahead,
+            "admission/waits": float(jit.waits),
+            "admission/step_s": jit.step_s() or 0.0,
+            "admission/episode_s": jit.episode_s() or 0.0,
+        }
 
     async def cancel_episodes(self) -> None:
         """Cancel every running episode (their prompts are restarted on resume)."""

@@ -32,6 +32,7 @@ from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
 from sao.rollout.engine import Engine
 from sao.rollout.resume import EpisodeResume
+from sao.runtime.admission import JustInTime
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.checkpoint import (
     begin_checkpoint,
@@ -283,6 +284,7 @@ def _pipeline(
         state=state,
         failure=build_failure_policy(cfg),
         report=report,
+        admission=JustInTime(cfg.runtime.max_lag) if cfg.runtime.admission == "jit" else None,
     )
     orch.consumed, orch.version = start_step, version
     return orch
@@ -316,8 +318,14 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
             orch.load_counters(saved_counters(ckpt))  # wall_s, episodes/*, idle: continued
             kv_kept = cfg.rollout.engine in ("torch", "http")
             kv_kept = kv_kept and not cfg.rollout.recompute_kv_on_update
-            logger.print(gate.describe(in_flight=cfg.rollout.in_flight, kv_kept=kv_kept))
-            if cfg.task.name == "python_tool" and task is None:  # where model code runs
+            logger.print(
+                gate.describe(
+                    in_flight=cfg.rollout.in_flight,
+                    kv_kept=kv_kept,
+                    admission=cfg.runtime.admission,
+                )
+            )
+            if cfg.task.name in ("python_tool", "swe") and task is None:  # where model code runs
                 from sao.envs.sandbox import describe_isolation
 
                 allow_root = bool(cfg.task.options.get("allow_root", False))

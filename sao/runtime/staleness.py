@@ -42,11 +42,14 @@ class StalenessGate:
         if self.batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
 
-    def can_start(self, consumed_batches: int, n: int = 1) -> bool:
+    def can_start(self, consumed_batches: int, n: int = 1, *, capacity: int | None = None) -> bool:
         """True when ``n`` more episodes may start, the trainer having consumed
-        ``consumed_batches`` batches."""
-        capacity = (consumed_batches + self.max_lag + 1) * self.batch_size
-        return self.started - self.rejected + n <= capacity
+        ``consumed_batches`` batches. ``capacity``: a smaller limit on episodes
+        started (less rejected) than the bound's ``(s + L + 1) * B``, e.g. from
+        the just-in-time admission of :mod:`sao.runtime.admission`."""
+        bound = (consumed_batches + self.max_lag + 1) * self.batch_size
+        limit = bound if capacity is None else min(capacity, bound)
+        return self.started - self.rejected + n <= limit
 
     def start(self, n: int = 1) -> None:
         """Record ``n`` episodes started."""
@@ -69,7 +72,7 @@ class StalenessGate:
             return False
         return True
 
-    def describe(self, *, in_flight: int, kv_kept: bool) -> str:
+    def describe(self, *, in_flight: int, kv_kept: bool, admission: str = "static") -> str:
         """One line: the worst-case policy lag this configuration allows, and
         every knob that contributes to it (printed at start-up)."""
         L, B = self.max_lag, self.batch_size
@@ -79,9 +82,14 @@ class StalenessGate:
             if kv_kept and L > 0
             else ""
         )
+        when = (
+            "as late as keeps the trainer fed (runtime.admission=jit)"
+            if admission == "jit" and L > 0
+            else "as early as allowed (runtime.admission=static)"
+        )
         return (
             f"worst-case policy lag: {L} version(s) (runtime.max_lag; older trajectories are "
             f"dropped); up to (max_lag + 1) x batch {B} = {(L + 1) * B} episodes started ahead "
-            f"of the trainer, {min(in_flight, (L + 1) * B)} running at once (rollout.in_flight "
-            f"{in_flight}); 1 actor step per batch{kv}"
+            f"of the trainer, {when}, {min(in_flight, (L + 1) * B)} running at once "
+            f"(rollout.in_flight {in_flight}); 1 actor step per batch{kv}"
         )

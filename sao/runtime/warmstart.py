@@ -55,6 +55,8 @@ RECIPES: dict[str, WarmStartRecipe] = {
         demos=3000, epochs=3, lr=1e-3, batch_size=8, schedule="constant"
     ),
     "dataset": WarmStartRecipe(demos=2000),
+    # swe demonstrations are ~340 characters; 512 keeps 99% of them whole.
+    "swe": WarmStartRecipe(demos=3000, epochs=3, lr=1e-3, batch_size=8, max_len=512),
 }
 RECIPE_VERSION = 3
 """Bump when the build procedure changes, so old caches are not reused."""

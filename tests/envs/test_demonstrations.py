@@ -18,8 +18,8 @@ from sao.envs.registry import make_task, task_names
 from sao.envs.style_shift import STYLES, StyleShiftEnv, StyleShiftTask
 from tests.envs.conftest import replay
 
-SIZES = {"python_tool": 24}
-"""Demonstrations per check (python_tool runs each program in the sandbox)."""
+SIZES = {"python_tool": 24, "swe": 24}
+"""Demonstrations per check (python_tool and swe run in the sandbox)."""
 
 
 def build_task(name: str, variant: str, tmp_path: Path) -> Task:

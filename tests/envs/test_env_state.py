@@ -21,6 +21,7 @@ from sao.envs.guess_number import GuessNumberTask
 from sao.envs.latency import LatencyEnv, LatencyWrapper, RestorableLatencyEnv
 from sao.envs.python_tool import PythonToolTask
 from sao.envs.style_shift import StyleShiftTask
+from sao.envs.swe import SweTask
 
 Actions = Callable[[Env], list[str]]
 """The scripted replies for one env (they may depend on its problem)."""
@@ -109,6 +110,15 @@ def python_actions(env: Env) -> list[str]:
     return ["hm", "run print(1+)", "run ", f"run {problem.code}", f"answer {problem.answer}"]
 
 
+def swe_actions(env: Env) -> list[str]:
+    """Junk, a read, a miscopied and then the right replacement, submit."""
+    task = SweTask(seed=4)
+    bug = task.bug("train", 0)
+    path = bug.module
+    fix = f"replace {path} {bug.old} => {bug.new}"
+    return ["hm", f"read {path}", f"replace {path} nowhere => x", fix, "submit"]
+
+
 def dataset_task(tmp_path: Path) -> Task:
     rows = [{"prompt": f"What is {i}+{i}?", "answer": str(2 * i)} for i in range(6)]
     path = tmp_path / "train.jsonl"
@@ -146,6 +156,7 @@ CASES = {
     "reasoning_gym": Case(rgym_task, rgym_answer, cut=0, split="eval", index=1),
     "style_shift": Case(lambda _: StyleShiftTask(max_turns=3), style_actions, cut=1),
     "python_tool": Case(lambda _: PythonToolTask(seed=3, max_turns=6), python_actions, cut=2),
+    "swe": Case(lambda _: SweTask(seed=4), swe_actions, cut=3),
     "latency_calculator": Case(
         lambda p: LatencyWrapper(calc(p), median_s=0.01, sleep=no_sleep), calc_actions, cut=2
     ),
@@ -208,7 +219,7 @@ def test_latency_env_is_restorable_exactly_when_its_inner_env_is() -> None:
         RestorableLatencyEnv(PlainEnv(), wrapper.draw, restorable._rng, no_sleep)
 
 
-@pytest.mark.parametrize("name", ["calculator", "guess_number", "python_tool", "dataset"])
+@pytest.mark.parametrize("name", ["calculator", "guess_number", "python_tool", "dataset", "swe"])
 def test_state_of_another_problem_is_refused(name: str, tmp_path: Path) -> None:
     task = CASES[name].make_task(tmp_path)
     env = restorable(task.make_env("train", 0))
