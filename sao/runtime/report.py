@@ -112,10 +112,15 @@ class Stats:
         return f"{self.mean:{f}} ± {self.std:{f}} [{self.low:{f}}, {self.high:{f}}]"
 
 
-def collapse_step(evals: Sequence[tuple[int, float]]) -> int | None:
+def collapse_step(evals: Sequence[tuple[int, float]], until: int | None = None) -> int | None:
     """The first eval step after which held-out success stays below half its
     initial value (at that eval and every later one); None if it never does, or
-    if the initial value is 0. ``evals``: ``(step, success)`` in step order."""
+    if the initial value is 0. ``evals``: ``(step, success)`` in step order.
+    ``until``: only evals before this step count (an experiment with preference
+    switches passes the first: after it, success is judged by another
+    preference, and a drop there is a failure to follow, not a collapse)."""
+    if until is not None:
+        evals = [e for e in evals if e[0] < until]
     if not evals or evals[0][1] <= 0:
         return None
     threshold = evals[0][1] / 2
@@ -187,8 +192,9 @@ def read_history(path: Path) -> list[dict[str, float]]:
     return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
 
 
-def read_run(run_dir: Path, arm: str, seed: int) -> RunResult:
-    """A finished run directory's :class:`RunResult`."""
+def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> RunResult:
+    """A finished run directory's :class:`RunResult` (``until``: see
+    :func:`collapse_step`)."""
     cfg = validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
     warmup = cfg.algo.resolve().critic_pretrain_steps
     history = read_history(run_dir / "metrics.jsonl")
@@ -224,7 +230,7 @@ def read_run(run_dir: Path, arm: str, seed: int) -> RunResult:
         final_success=summary["eval/success_last"],
         best_success=summary["eval/success_best"],
         final_reward=summary["train/reward_last10"],
-        collapse_step=collapse_step(evals),
+        collapse_step=collapse_step(evals, until),
         wall_s=wall,
         curves=curves,
     )
@@ -233,8 +239,11 @@ def read_run(run_dir: Path, arm: str, seed: int) -> RunResult:
 _SEED_DIR = re.compile(r"^seed-(\d+)$")
 
 
-def scan_runs(exp_dir: Path, arms: Sequence[str]) -> tuple[list[RunResult], list[Path]]:
-    """Finished runs of ``arms`` (in that order, then by seed) and unfinished run dirs."""
+def scan_runs(
+    exp_dir: Path, arms: Sequence[str], until: int | None = None
+) -> tuple[list[RunResult], list[Path]]:
+    """Finished runs of ``arms`` (in that order, then by seed) and unfinished run
+    dirs (``until``: see :func:`collapse_step`)."""
     done: list[RunResult] = []
     unfinished: list[Path] = []
     for arm in arms:
@@ -247,7 +256,7 @@ def scan_runs(exp_dir: Path, arms: Sequence[str]) -> tuple[list[RunResult], list
         for seed in seeds:
             run_dir = arm_dir / f"seed-{seed}"
             if (run_dir / "summary.json").is_file():
-                done.append(read_run(run_dir, arm, seed))
+                done.append(read_run(run_dir, arm, seed, until))
             else:
                 unfinished.append(run_dir)
     return done, unfinished
@@ -258,7 +267,7 @@ def write_report(exp_dir: Path) -> list[Path]:
     its run directories; returns the files written."""
     meta = json.loads((exp_dir / "experiment.json").read_text())
     exp = Experiment.from_dict(meta["definition"])
-    runs, unfinished = scan_runs(exp_dir, list(exp.arms))
+    runs, unfinished = scan_runs(exp_dir, list(exp.arms), min(exp.marks, default=None))
     written = [exp_dir / "results.csv", exp_dir / "results.md"]
     written[0].write_text(results_csv(runs, exp.marks))
     plots = write_plots(runs, exp, exp_dir)
@@ -341,7 +350,12 @@ def results_md(
         "[95% t-interval of the mean]. Held-out success: greedy episodes of the eval split; "
         f"final train reward: mean over the last {REWARD_WINDOW} steps (sampled); collapsed: "
         "runs whose held-out success fell below half its initial value at an eval and "
-        "stayed there (step = first such eval, in actor steps).",
+        "stayed there (step = first such eval, in actor steps)"
+        + (
+            f"; only evals before the first switch (step {min(exp.marks)}) count."
+            if exp.marks
+            else "."
+        ),
         "",
         "| arm | seeds | initial held-out | final held-out | best held-out "
         "| final train reward | collapsed | wall min (mean) |",

@@ -58,6 +58,9 @@ def test_collapse_step_is_the_start_of_the_last_stretch_below_half() -> None:
     assert collapse_step(evals[:3]) is None  # recovered at the last eval
     assert collapse_step([(0, 0.0), (10, 0.0)]) is None  # nothing to fall from
     assert collapse_step([]) is None
+    # a preference switch at step 25: only 0, 10, 20 count; 20 recovered
+    assert collapse_step(evals, until=25) is None
+    assert collapse_step(evals, until=35) == 30  # 30 is before the switch: kept
 
 
 def test_trailing_mean() -> None:
