@@ -25,6 +25,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
+from _bench import QUIET
+
 from sao.config import load_config
 from sao.runtime.run import train
 
@@ -72,11 +74,7 @@ def main() -> None:
         "runtime.max_lag=4",
         f"train.steps={args.steps}",
         f"eval.every={args.steps}",
-        "log.live=false",
-        "log.tensorboard=false",
-        "log.plots=false",
-        "log.checkpoint_every=1000000",
-        "train.logprob_budget=0",
+        *QUIET,
     ]
     arms = ("static", "jit")
     with tempfile.TemporaryDirectory() as tmp:

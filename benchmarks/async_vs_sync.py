@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _bench import QUIET
+
 from sao.config import load_config
 from sao.runtime.run import train
 
@@ -58,11 +60,7 @@ def main() -> None:
         f"train.batch_size={args.batch}",
         "eval.every=1000000",
         "eval.episodes=1",
-        "log.live=false",
-        "log.tensorboard=false",
-        "log.plots=false",
-        "log.checkpoint_every=1000000",
-        "train.logprob_budget=0",
+        *QUIET,
         "rollout.step_timeout_s=30",
     ]
     arms = {

@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _bench import QUIET
 from longtail_model import Trace, project
 
 from sao.config import load_config
@@ -148,11 +149,7 @@ def main() -> None:
         "rollout.max_total_tokens=1536",
         "eval.every=1000000",
         "eval.episodes=1",
-        "log.live=false",
-        "log.tensorboard=false",
-        "log.plots=false",
-        "log.checkpoint_every=1000000",
-        "train.logprob_budget=0",
+        *QUIET,
     ]
     inner = make_task("calculator", min_ops=1, max_ops=2, ops_per_call=2, early_answer_rate=0.6)
     task = BusyTask(inner, alpha=args.alpha, max_retries=args.max_retries, seed=0)
