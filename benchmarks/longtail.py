@@ -42,7 +42,8 @@ from longtail_model import Trace, project
 from sao.config import load_config
 from sao.envs.base import Env, Observation, Split, StepResult, Task
 from sao.envs.registry import make_task
-from sao.runtime.run import policy_path, train
+from sao.runtime.parts import policy_path
+from sao.runtime.run import train
 
 BUSY = "error: busy, call again"
 

@@ -1,6 +1,7 @@
 """Local vs Ray backend on this machine: the same `sao train` run (calc-tiny,
 SAO) in one process, and with rollouts in Ray rollout-worker actors and the
-trainer in one or two FSDP2 trainer-rank actors, side by side in one
+trainer in one or two FSDP2 trainer-rank actors (or one for the actor and
+one for the critic, ``runtime.critic_ranks=1``), side by side in one
 invocation. Prints trajectories/s, the trainer's
 step time and the weight-publish time per step (means over the actor steps
 after the first 5), and the Ray/local ratios.
@@ -79,11 +80,14 @@ def main() -> None:
             f"ray {args.workers}w 2 ranks": run(
                 args, "ray2", [*ray, "runtime.trainer_ranks=2"], root
             ),
+            f"ray {args.workers}w 1 rank + 1 critic": run(
+                args, "ray1c1", [*ray, "runtime.critic_ranks=1"], root
+            ),
         }
     base = results["local"]
     print(f"calc-tiny, SAO, {args.steps} actor steps; means over steps 6..{args.steps}")
     head = ("backend", "traj/s", "ratio", "step s", "publish s", "trainer idle")
-    print(f"{head[0]:<18}" + "".join(f"{h:>13}" for h in head[1:]))
+    print(f"{head[0]:<26}" + "".join(f"{h:>13}" for h in head[1:]))
     for name, r in results.items():
         cells = (
             f"{r['trajectories_per_s']:.1f}",
@@ -92,7 +96,7 @@ def main() -> None:
             f"{r['publish_s']:.4f}",
             f"{r['trainer_idle']:.2f}",
         )
-        print(f"{name:<18}" + "".join(f"{c:>13}" for c in cells))
+        print(f"{name:<26}" + "".join(f"{c:>13}" for c in cells))
 
 
 if __name__ == "__main__":

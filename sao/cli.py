@@ -86,7 +86,7 @@ def _check(args: argparse.Namespace) -> int:
     from sao.envs.base import Task
     from sao.rollout.check import check_logprobs
     from sao.runtime.engines import open_rollout_engine
-    from sao.runtime.run import build_parts, policy_path
+    from sao.runtime.parts import build_parts, policy_path
 
     cfg = _load(args)
     p = build_parts(cfg)

@@ -288,9 +288,17 @@ class RuntimeConfig(_Section):
     """GPUs reserved per rollout worker (backend=ray; an embedded engine then runs on it)."""
     trainer_ranks: PositiveInt = 1
     """Trainer ranks (backend=ray): Ray actors joined by torch.distributed, training the
-    actor and the colocated critic with FSDP2 (gloo on CPU, NCCL on GPU)."""
+    actor (and the critic, unless it has ranks of its own) with FSDP2 (gloo on CPU, NCCL on
+    GPU)."""
+    critic_ranks: NonNegativeInt = 0
+    """0: the critic trains on the actor's ranks. N: the critic is a group of N ranks of its
+    own (backend=ray), whose K updates run while the actor's update does."""
     cpus_per_rank: NonNegativeFloat = 0.5
     """CPUs reserved per trainer rank (backend=ray)."""
+    threads_per_rank: NonNegativeInt = 0
+    """Torch threads per trainer rank (backend=ray); 0: the node's cores shared evenly among
+    the ranks on it, as the local trainer uses every core (Ray alone would allow a rank its
+    reserved CPUs rounded down, at least 1)."""
     gpus_per_rank: NonNegativeFloat = 0.0
     """GPUs per trainer rank (backend=ray; 1 for a GPU trainer, with model.device=cuda)."""
 
@@ -445,6 +453,26 @@ def _suggest(key: str, valid: Sequence[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(valid)}."
 
 
+def _check_critic_ranks(cfg: Config, groups: int) -> None:
+    n = cfg.runtime.critic_ranks
+    if not n:
+        return
+    if cfg.runtime.backend != "ray":
+        raise ConfigError(
+            "runtime.critic_ranks > 0 needs runtime.backend=ray (ranks are Ray actors)"
+        )
+    if not cfg.algo.resolve().use_critic:
+        raise ConfigError(
+            f"runtime.critic_ranks={n} but algo {cfg.algo.resolve().name!r} trains no critic; "
+            "set runtime.critic_ranks=0"
+        )
+    if n > groups:
+        raise ConfigError(
+            f"runtime.critic_ranks ({n}) exceeds the groups per batch ({groups}): groups are "
+            "trained whole on one rank, so some ranks would have nothing to train"
+        )
+
+
 def _check_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "") -> None:
     """Reject unknown keys, naming the closest valid one."""
     valid = list(model.model_fields)
@@ -526,6 +554,7 @@ def validate(data: Mapping[str, Any]) -> Config:
         raise ConfigError(
             "runtime.trainer_ranks > 1 needs runtime.backend=ray (the ranks are Ray actors)"
         )
+    _check_critic_ranks(cfg, groups)
     if r.engine == "torch" and (r.servers or r.launch):
         raise ConfigError(
             "rollout.servers / rollout.launch need rollout.engine = http, vllm or sglang "

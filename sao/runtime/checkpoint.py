@@ -278,6 +278,8 @@ RESUMABLE_KEYS = (
     "rollout.weights_dir",
     "model.device",
     "runtime.trainer_ranks",
+    "runtime.critic_ranks",
+    "runtime.threads_per_rank",
     "runtime.rollout_workers",
     "runtime.ray_address",
     "runtime.cpus_per_",

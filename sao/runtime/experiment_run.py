@@ -50,7 +50,7 @@ def command(exp: Experiment, run: Run, how: Status) -> list[str]:
 
 
 _WARM = (
-    "import sys; from sao.config import load_config; from sao.runtime.run import policy_path; "
+    "import sys; from sao.config import load_config; from sao.runtime.parts import policy_path; "
     "policy_path(load_config(sys.argv[1], None, sys.argv[2:]))"
 )
 

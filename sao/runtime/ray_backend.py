@@ -139,7 +139,7 @@ class RolloutWorker:
         from sao.models.loading import load_config, load_policy, load_tokenizer
         from sao.rollout.torch_engine import TorchEngine
         from sao.runtime.engines import connect_servers, context_window
-        from sao.runtime.run import build_limits, build_task
+        from sao.runtime.parts import build_limits, build_task
         from sao.runtime.runner import LocalRunner
 
         cfg, r = self.cfg, self.cfg.rollout

@@ -10,26 +10,16 @@ import random
 import shutil
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import yaml
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import logging as hf_logging
 
 from sao.agents.endpoint import AgentEndpoint
 from sao.agents.runner import AgentRunner, AgentTask
 from sao.config import Config, ConfigError, to_dict
-from sao.envs.base import Task
-from sao.envs.latency import LatencyWrapper
-from sao.envs.registry import make_task
-from sao.models.device import DeviceError, resolve_device, resolve_dtype
-from sao.models.freeze import freeze_attention
-from sao.models.loading import load_policy, load_tokenizer
-from sao.models.value import ValueModel
-from sao.rollout.agent import EpisodeLimits
 from sao.rollout.engine import Engine
 from sao.rollout.resume import EpisodeResume
 from sao.runtime.admission import JustInTime
@@ -49,145 +39,19 @@ from sao.runtime.failures import FAILURES, FailureLog
 from sao.runtime.ledger import Ledger
 from sao.runtime.logging import RunLogger, summarize, write_plots
 from sao.runtime.model_card import export_final
-from sao.runtime.orchestrator import FailurePolicy, Orchestrator, Report, RolloutState
+from sao.runtime.orchestrator import Orchestrator, Report, RolloutState
+from sao.runtime.parts import (
+    Parts,
+    TrainTask,
+    build_failure_policy,
+    build_parts,
+    policy_path,
+)
 from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
 from sao.runtime.trainers import LocalTrainer, TrainerHandle
-from sao.runtime.warmstart import ensure_policy
-from sao.train.sharded import RankContext
-from sao.train.trainer import NonFiniteError, OptimSettings, Trainer
-from sao.types import SamplingParams, Trajectory
-
-TrainTask = Task | AgentTask
-"""What ``train`` trains on: an environment task, or your own agent."""
-
-
-@dataclass
-class Parts:
-    """Everything a run is made of."""
-
-    cfg: Config
-    task: TrainTask
-    tokenizer: PreTrainedTokenizerBase
-    policy: PreTrainedModel
-    critic: ValueModel | None
-    trainer: Trainer
-    sampling: SamplingParams
-    limits: EpisodeLimits
-    device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable)
-    """Where policy and critic live (``model.device`` resolved); the engine's place too."""
-
-
-def build_task(cfg: Config) -> Task:
-    """The configured task, behind simulated latency if asked."""
-    try:
-        task = make_task(cfg.task.name, **{"seed": cfg.seed, **cfg.task.options})
-    except (TypeError, ValueError) as e:  # an unknown option, or a bad value for one
-        raise ConfigError(f"task.options: {e}") from None
-    if cfg.task.latency != "none":
-        task = LatencyWrapper(
-            task,
-            distribution=cfg.task.latency,
-            median_s=cfg.task.latency_median_s,
-            sigma=cfg.task.latency_sigma,
-            max_s=cfg.task.latency_max_s,
-            seed=cfg.seed,
-        )
-    return task
-
-
-def build_limits(cfg: Config) -> EpisodeLimits:
-    """The agent loop's per-episode limits from ``cfg.rollout``."""
-    r = cfg.rollout
-    return EpisodeLimits(
-        max_turns=r.max_turns,
-        max_total_tokens=r.max_total_tokens,
-        step_timeout_s=r.step_timeout_s,
-        reset_timeout_s=r.step_timeout_s,
-        max_observation_tokens=r.max_observation_tokens,
-        tito_check=r.tito_check,
-    )
-
-
-def build_failure_policy(cfg: Config) -> FailurePolicy:
-    """What failed episodes become, and when the run stops (``rollout``, ``runtime``)."""
-    reward = cfg.rollout.failure_reward
-    return FailurePolicy(
-        reward=None if reward == "drop" else float(reward),
-        max_in_a_row=cfg.rollout.max_failures_in_a_row,
-        watchdog_s=cfg.runtime.watchdog_s,
-    )
-
-
-def policy_path(cfg: Config) -> Path:
-    """The configured checkpoint, or the task's cached tiny warm-started policy."""
-    if cfg.model.path is not None:
-        return Path(cfg.model.path)
-    options = {"seed": cfg.seed, **cfg.task.options}
-    return ensure_policy(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
-
-
-def build_parts(
-    cfg: Config,
-    start_dir: Path | None = None,
-    task: TrainTask | None = None,
-    *,
-    ranks: RankContext | None = None,
-    quiet: bool = False,
-) -> Parts:
-    """Load models and build the trainer. ``start_dir`` overrides the policy
-    (resume); ``task`` replaces the configured built-in task (your own env);
-    ``ranks`` makes this one rank of a sharded trainer (``quiet``: print nothing)."""
-    algo = cfg.algo.resolve()
-    try:
-        device = resolve_device(cfg.model.device)
-        dtype = resolve_dtype(cfg.model.dtype, device)
-    except DeviceError as e:
-        raise ConfigError(str(e)) from None
-    if task is None:
-        task = build_task(cfg)
-    elif cfg.model.path is None:
-        raise ConfigError("training your own task needs model.path (a local checkpoint)")
-    src = policy_path(cfg)
-    tokenizer = load_tokenizer(src)
-    policy = load_policy(start_dir / "policy" if start_dir else src, dtype=dtype, device=device)
-    critic = None
-    if algo.use_critic:
-        if start_dir is not None and (start_dir / "critic").is_dir():
-            critic = ValueModel.from_pretrained(start_dir / "critic", dtype=dtype, device=device)
-        else:
-            critic = ValueModel.from_policy(
-                cfg.model.critic_path or src, dtype=dtype, device=device, seed=cfg.seed
-            )
-        if algo.freeze_critic_attention:
-            report = freeze_attention(critic)  # before the optimizer is built (paper section 4)
-            print_ = (lambda *a, **k: None) if quiet else print
-            print_(
-                f"critic attention frozen: {report.num_frozen:,} parameters frozen, "
-                f"{report.num_trainable:,} trainable"
-            )
-    r = cfg.rollout
-    sampling = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-    )
-    limits = build_limits(cfg)
-    t = cfg.train
-    settings = OptimSettings(
-        actor_lr=t.actor_lr,
-        critic_lr=t.critic_lr,
-        critic_lr_warmup_steps=t.critic_lr_warmup_steps,
-        grad_clip=t.grad_clip,
-        token_budget=t.token_budget,
-        max_bad_steps=t.max_bad_steps,
-        temperature=r.temperature,
-        max_action_tokens=r.max_turns * r.max_new_tokens,
-        packing=t.packing,
-    )
-    trainer = Trainer(policy, critic, algo, settings, ranks)
-    return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, limits, device)
+from sao.train.trainer import NonFiniteError
+from sao.types import Trajectory
 
 
 def prepare_run_dir(cfg: Config, resume: bool) -> Path:
@@ -378,7 +242,7 @@ async def _trainer(p: Parts, ckpt: Path | None, task: TrainTask | None) -> Train
 
     if isinstance(task, AgentTask):
         raise ConfigError("an AgentTask trains with runtime.backend=local for now")
-    group = await RayTrainerGroup.start(p.cfg, ckpt, task)
+    group = await RayTrainerGroup.start(p.cfg, ckpt)
     if ckpt is not None:
         await group.load(ckpt)
     return group

@@ -16,7 +16,7 @@ from sao.rollout.check import LogprobReport, score_trajectories
 from sao.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
-    from sao.runtime.run import Parts
+    from sao.runtime.parts import Parts
 
 __all__ = ["LocalTrainer", "TrainerHandle"]
 
@@ -49,7 +49,7 @@ class TrainerHandle(Protocol):
 
 
 class LocalTrainer:
-    """The trainer of :class:`~sao.runtime.run.Parts`, in this process."""
+    """The trainer of :class:`~sao.runtime.parts.Parts`, in this process."""
 
     def __init__(self, parts: Parts) -> None:
         self.p = parts

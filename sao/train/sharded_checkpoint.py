@@ -15,9 +15,14 @@ state is keyed by parameter *name*, never by position or rank:
 ``actor_optim`` / ``critic_optim``
     ``{"state": {name: {"step", "exp_avg", "exp_avg_sq"}}}``: AdamW's state
     for each master, sharded like it.
-``trainer``
-    a JSON string: optimizer hyper-parameters (learning rates after warm-up
-    steps), the critic's LR schedule, the running-mean baseline, skipped steps.
+``trainer`` / ``critic_trainer``
+    JSON strings: the actor's optimizer hyper-parameters, the running-mean
+    baseline and skipped steps / the critic's optimizer hyper-parameters (its
+    learning rate after warm-up steps), LR schedule and skipped steps.
+
+A trainer holding one model (the actor and the critic on ranks of their own,
+``runtime.critic_ranks``) writes only that model's keys, each group to its own
+directory; :func:`load_sharded` reads the two parts from one directory or two.
 
 On disk: DCP's ``.metadata`` plus one ``__<rank>_0.distcp`` file per writing
 rank. Loading writes the masters back into the model weights.
@@ -114,26 +119,39 @@ def _hyper(optim: torch.optim.Optimizer | None) -> list[dict[str, Any]] | None:
     return [{k: v for k, v in g.items() if k != "params"} for g in optim.param_groups]
 
 
-def _state(trainer: Trainer) -> StateDict:
-    """The whole DCP state of ``trainer`` (tensors are the live ones: DCP
-    saves from them and loads into them in place)."""
+def _state(trainer: Trainer, part: str) -> StateDict:
+    """The DCP state of ``trainer``'s ``part`` ("actor" or "critic"; empty when it
+    holds no such model). Tensors are the live ones: DCP saves from them and loads
+    into them in place."""
+    if part == "actor":
+        if trainer.policy is None:
+            return {}
+        _, masters, optim = trainer.actor_parts()
+        mean = trainer.running_mean
+        extra = {
+            "actor_groups": _hyper(optim),
+            "running_mean": None if mean is None else mean.state_dict(),
+            "skipped_steps": trainer.skipped_steps,
+        }
+        return {
+            "policy": _weights(trainer.policy, masters),
+            "actor_optim": _optim(trainer.policy, masters, optim),
+            "trainer": json.dumps(extra),
+        }
+    if trainer.critic is None:
+        return {}
+    assert trainer.critic_weights is not None and trainer.critic_optim is not None
+    sched = trainer.critic_sched
     extra = {
-        "actor_groups": _hyper(trainer.actor_optim),
         "critic_groups": _hyper(trainer.critic_optim),
-        "critic_sched": None if trainer.critic_sched is None else trainer.critic_sched.state_dict(),
-        "running_mean": None if trainer.running_mean is None else trainer.running_mean.state_dict(),
+        "critic_sched": None if sched is None else sched.state_dict(),
         "skipped_steps": trainer.skipped_steps,
     }
-    state: StateDict = {
-        "policy": _weights(trainer.policy, trainer.actor_weights),
-        "actor_optim": _optim(trainer.policy, trainer.actor_weights, trainer.actor_optim),
-        "trainer": json.dumps(extra),
+    return {
+        "critic": _weights(trainer.critic, trainer.critic_weights),
+        "critic_optim": _optim(trainer.critic, trainer.critic_weights, trainer.critic_optim),
+        "critic_trainer": json.dumps(extra),
     }
-    if trainer.critic is not None:
-        assert trainer.critic_weights is not None and trainer.critic_optim is not None
-        state["critic"] = _weights(trainer.critic, trainer.critic_weights)
-        state["critic_optim"] = _optim(trainer.critic, trainer.critic_weights, trainer.critic_optim)
-    return state
 
 
 @contextlib.contextmanager
@@ -147,45 +165,57 @@ def _single_process_quiet() -> Iterator[None]:
 
 def save_sharded(directory: str | os.PathLike[str], trainer: Trainer) -> Path:
     """Write ``trainer``'s models, optimizers and small state to ``directory``
-    with DCP (collective: call on every rank). Returns the path."""
+    with DCP (collective: call on every rank). Returns the path. A trainer
+    holding only the actor or only the critic writes only that."""
     path = Path(directory)
+    state = _state(trainer, "actor") | _state(trainer, "critic")
     with _single_process_quiet():
-        dcp.save(_state(trainer), checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.save(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     return path
 
 
-def load_sharded(directory: str | os.PathLike[str], trainer: Trainer) -> None:
+def load_sharded(
+    directory: str | os.PathLike[str],
+    trainer: Trainer,
+    critic_directory: str | os.PathLike[str] | None = None,
+) -> None:
     """Restore what :func:`save_sharded` wrote, on any number of ranks
     (collective). The trainer must be built the same way (same model, preset
-    and settings); its world size may differ from the writer's."""
-    path = Path(directory)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(
-            f"load_sharded: {str(path)!r} holds no DCP checkpoint (no .metadata); pass a "
-            "directory written by save_sharded"
-        )
-    state = _state(trainer)
-    with _single_process_quiet():
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    trainer.actor_weights.store()
-    if trainer.critic_weights is not None:
-        trainer.critic_weights.store()
-    _restore_extra(trainer, json.loads(state["trainer"]))
+    and settings); its world size may differ from the writer's. The critic's
+    part comes from ``critic_directory`` when given (a checkpoint whose critic
+    trained on ranks of its own), else from ``directory``."""
+    sources = {"actor": Path(directory), "critic": Path(critic_directory or directory)}
+    for part, path in sources.items():
+        state = _state(trainer, part)
+        if not state:
+            continue
+        if not (path / ".metadata").is_file():
+            raise FileNotFoundError(
+                f"load_sharded: {str(path)!r} holds no DCP checkpoint (no .metadata); pass a "
+                "directory written by save_sharded"
+            )
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        key = "trainer" if part == "actor" else "critic_trainer"
+        _restore_extra(trainer, json.loads(state[key]))
+        weights = trainer.actor_weights if part == "actor" else trainer.critic_weights
+        assert weights is not None
+        weights.store()
 
 
 def _restore_extra(trainer: Trainer, extra: StateDict) -> None:
     for optim, groups in (
-        (trainer.actor_optim, extra["actor_groups"]),
-        (trainer.critic_optim, extra["critic_groups"]),
+        (trainer.actor_optim, extra.get("actor_groups")),
+        (trainer.critic_optim, extra.get("critic_groups")),
     ):
         if optim is not None and groups is not None:
             for g, saved in zip(optim.param_groups, groups, strict=True):
                 g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
-    if trainer.critic_sched is not None and extra["critic_sched"] is not None:
+    if trainer.critic_sched is not None and extra.get("critic_sched") is not None:
         trainer.critic_sched.load_state_dict(extra["critic_sched"])
-    if trainer.running_mean is not None and extra["running_mean"] is not None:
+    if trainer.running_mean is not None and extra.get("running_mean") is not None:
         trainer.running_mean.load_state_dict(extra["running_mean"])
-    trainer.skipped_steps = int(extra["skipped_steps"])
+    trainer.skipped_steps = max(trainer.skipped_steps, int(extra["skipped_steps"]))
 
 
 # ---------------------------------------------------------------- export

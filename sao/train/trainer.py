@@ -21,6 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
@@ -74,23 +75,31 @@ class Trainer:
 
     def __init__(
         self,
-        policy: PreTrainedModel,
+        policy: PreTrainedModel | None,
         critic: ValueModel | None,
         algo: AlgoPreset,
         settings: OptimSettings,
         ranks: RankContext | None = None,
     ) -> None:
+        """``policy`` None: the critic alone (its ranks of their own, ``runtime.critic_ranks``);
+        ``critic`` None with a critic algorithm: the actor alone, advantages come from those."""
         self.policy, self.critic, self.algo, self.opt = policy, critic, algo, settings
         self.ranks = RankContext() if ranks is None else ranks
         # FSDP2 with N ranks (before the optimizers: parameters become DTensors); as is on one
-        self.actor = self.ranks.shard(
-            PolicyLogprobs(policy, settings.temperature, settings.packing)
-        )
+        self.actor: nn.Module | None = None
+        self.actor_weights: MasterWeights | None = None
+        self.actor_optim: torch.optim.Optimizer | None = None
+        if policy is not None:
+            self.actor = self.ranks.shard(
+                PolicyLogprobs(policy, settings.temperature, settings.packing)
+            )
+            self.actor_weights = MasterWeights(policy.parameters())
+            self.actor_optim = torch.optim.AdamW(self.actor_weights.params, lr=settings.actor_lr)
         if critic is not None:
             self.ranks.shard(critic)
-        self.device = next(policy.parameters()).device
-        self.actor_weights = MasterWeights(policy.parameters())
-        self.actor_optim = torch.optim.AdamW(self.actor_weights.params, lr=settings.actor_lr)
+        model = policy if policy is not None else critic
+        assert model is not None, "a trainer trains a policy, a critic or both"
+        self.device = next(model.parameters()).device
         self.critic_weights: MasterWeights | None = None
         self.critic_optim: torch.optim.Optimizer | None = None
         self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -115,7 +124,7 @@ class Trainer:
 
     def step(self, trajectories: Sequence[Trajectory], *, train_actor: bool = True) -> Stats:
         """One actor step (or a critic-only warm-up step) on finished trajectories."""
-        self._bad = {}
+        self.begin_step()
         batch = self.prepare(trajectories)
         values_BT = self.values(batch)
         targets = self.targets(batch, values_BT, self.running_mean)
@@ -126,8 +135,8 @@ class Trainer:
                 targets = self.targets(batch, self.values(batch), None)
         if train_actor and targets is not None:
             stats |= self.update_actor(batch, targets.advantages_BT)
-        self._count_bad_step()
-        return _to_cpu(stats | self.batch_stats(batch, targets))
+        self.end_step()
+        return to_cpu(stats | self.batch_stats(batch, targets))
 
     # ------------------------------------------------------------------ phases
 
@@ -217,16 +226,17 @@ class Trainer:
     def update_actor(self, batch: Batch, advantages_BT: torch.Tensor) -> Stats:
         """One actor optimizer step over micro-batches (gradients accumulate
         exactly); the loss statistics come from the whole batch's log-probs."""
+        actor, weights, optim = self.actor_parts()
         mask = batch.action_mask_BT
         reduction = "seq_mean_token_mean" if self.algo.loss == "gspo" else self.algo.reduction
         denom = aggregate_denom(mask, reduction)
         old = self._old_logp(batch) if needs_old_logp(self.algo) else None
-        self.actor_optim.zero_grad(set_to_none=True)
+        optim.zero_grad(set_to_none=True)
         logp_BT = torch.zeros_like(batch.rollout_logp_BT, dtype=torch.float32)
         guard = _Guard(self.device)
         for mb, rows in self._with_rows(batch):
             T = mb.tokens_BT.shape[1]
-            logp = self.actor(mb.tokens_BT, mb.attention_mask_BT)
+            logp = actor(mb.tokens_BT, mb.attention_mask_BT)
             logp_BT[rows, :T] = logp.detach()
             old_mb = None if old is None else old[rows, :T]
             args = (mb.rollout_logp_BT, old_mb, advantages_BT[rows, :T], mb.action_mask_BT)
@@ -237,7 +247,7 @@ class Trainer:
             loss, _ = policy_loss(self.algo, logp, *args, denom)
             guard.loss(loss)
             loss.backward()
-        norm, _ = self._apply("actor", self.actor_weights, self.actor_optim, guard)
+        norm, _ = self._apply("actor", weights, optim, guard)
         logp_BT = self.ranks.sum_rows(logp_BT)
         stats: Stats = {"actor/grad_norm": norm}
         whole = (batch.rollout_logp_BT, old, advantages_BT, mask)
@@ -250,11 +260,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ helpers
 
+    def actor_parts(self) -> tuple[nn.Module, MasterWeights, torch.optim.Optimizer]:
+        """The actor, its float32 masters and its optimizer (an error without a policy)."""
+        if self.actor is None or self.actor_weights is None or self.actor_optim is None:
+            raise RuntimeError("this trainer holds no policy (its critic trains on its own ranks)")
+        return self.actor, self.actor_weights, self.actor_optim
+
     @torch.no_grad()
     def _old_logp(self, batch: Batch) -> torch.Tensor:
+        actor = self.actor_parts()[0]
         out = batch.rollout_logp_BT.new_zeros(batch.tokens_BT.shape, dtype=torch.float32)
         for mb, rows in self._with_rows(batch):
-            lp = self.actor(mb.tokens_BT, mb.attention_mask_BT)
+            lp = actor(mb.tokens_BT, mb.attention_mask_BT)
             out[rows, : lp.shape[1]] = lp
         return self.ranks.sum_rows(out)
 
@@ -300,7 +317,11 @@ class Trainer:
         optim.zero_grad(set_to_none=True)  # free the float32 gradients until the next update
         return norm, applied
 
-    def _count_bad_step(self) -> None:
+    def begin_step(self) -> None:
+        """Forget the last step's NaN/inf findings (``step`` calls it first)."""
+        self._bad = {}
+
+    def end_step(self) -> None:
         """Count a step in which the actor or the critic met a NaN/inf value; stop
         after ``max_bad_steps`` such steps in a row (one good update of the critic
         must not hide a diverged actor, so this is counted per trainer step). Every
@@ -351,9 +372,9 @@ class Trainer:
         """Optimizer, scheduler and baseline state (weights are saved separately)."""
         critic_master = None if self.critic_weights is None else self.critic_weights.state_dict()
         return {
-            "actor_master": self.actor_weights.state_dict(),
+            "actor_master": None if self.actor_weights is None else self.actor_weights.state_dict(),
             "critic_master": critic_master,
-            "actor_optim": self.actor_optim.state_dict(),
+            "actor_optim": None if self.actor_optim is None else self.actor_optim.state_dict(),
             "critic_optim": None if self.critic_optim is None else self.critic_optim.state_dict(),
             "critic_sched": None if self.critic_sched is None else self.critic_sched.state_dict(),
             "running_mean": None if self.running_mean is None else self.running_mean.state_dict(),
@@ -364,11 +385,12 @@ class Trainer:
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` saved."""
         # masters: absent from checkpoints written before them (the loaded weights then seed them)
-        if state.get("actor_master") is not None:
+        if self.actor_weights is not None and state.get("actor_master") is not None:
             self.actor_weights.load_state_dict(state["actor_master"])  # type: ignore[arg-type]
         if self.critic_weights is not None and state.get("critic_master") is not None:
             self.critic_weights.load_state_dict(state["critic_master"])  # type: ignore[arg-type]
-        self.actor_optim.load_state_dict(state["actor_optim"])  # type: ignore[arg-type]
+        if self.actor_optim is not None and state.get("actor_optim") is not None:
+            self.actor_optim.load_state_dict(state["actor_optim"])  # type: ignore[arg-type]
         if self.critic_optim is not None and state.get("critic_optim") is not None:
             self.critic_optim.load_state_dict(state["critic_optim"])  # type: ignore[arg-type]
         if self.critic_sched is not None and state.get("critic_sched") is not None:
@@ -430,6 +452,6 @@ def _last_action_index(action_mask_BT: torch.Tensor) -> torch.Tensor:
     return torch.where(action_mask_BT, pos, -1).max(dim=1).values
 
 
-def _to_cpu(stats: Stats) -> Stats:
+def to_cpu(stats: Stats) -> Stats:
     """Detached CPU copies of the metrics, made once at the end of the step."""
     return {k: v.detach().cpu() for k, v in stats.items()}

@@ -97,3 +97,48 @@ def test_more_ranks_than_groups_is_refused() -> None:
                 "train.batch_size=16",
             ]
         )
+
+
+def test_rank_threads_share_each_nodes_cores_among_its_ranks() -> None:
+    from sao.runtime.ray_trainer import rank_threads
+
+    # two ranks on a 2-core node: one thread each; a lone rank: both cores
+    assert [rank_threads(0, [("a", 2), ("a", 2)], r) for r in (0, 1)] == [1, 1]
+    assert rank_threads(0, [("a", 2)], 0) == 2
+    # 3 ranks on a 16-core node (16 // 3 = 5), 1 on an 8-core node (8)
+    nodes = [("a", 16), ("a", 16), ("a", 16), ("b", 8)]
+    assert [rank_threads(0, nodes, r) for r in range(4)] == [5, 5, 5, 8]
+    # more ranks than cores still computes; a configured count wins
+    assert rank_threads(0, [("a", 1)] * 3, 2) == 1
+    assert rank_threads(3, nodes, 0) == 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_critic_on_its_own_rank_learns_and_resumes_colocated(
+    tmp_path: Path, tiny_policy: Path
+) -> None:
+    split = ("runtime.critic_ranks=1", "train.steps=8", "log.checkpoint_every=4")
+    history = run(tmp_path, tiny_policy, *RAY, *split)
+    ckpt = tmp_path / "run" / "checkpoints" / "step_000004"
+    assert (ckpt / "sharded" / ".metadata").is_file()  # the actor group's part
+    assert (ckpt / "sharded_critic" / ".metadata").is_file()  # the critic group's
+    assert (ckpt / "critic" / "config.json").is_file() and (ckpt / "policy").is_dir()
+    assert all("critic/loss" in r and "actor/loss" in r for r in history if "actor/grad_norm" in r)
+    run_dir = tmp_path / "run"
+    cfg = saved_config(run_dir, ["runtime.critic_ranks=0", "train.steps=16"])
+    train(cfg, task=SayATask(), resume=run_dir)  # both models on one rank again
+    history = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in history if "train/reward_mean" in r]
+    assert steps == list(range(1, 19))
+    first, last = _reward_gain(history)
+    assert last > first + 0.2, (first, last)
+
+
+def test_critic_ranks_are_refused_where_they_cannot_work() -> None:
+    from sao.config import ConfigError
+
+    with pytest.raises(ConfigError, match="critic_ranks > 0 needs runtime.backend=ray"):
+        load_config(overrides=["runtime.critic_ranks=1"])
+    with pytest.raises(ConfigError, match="trains no critic"):
+        load_config(overrides=["runtime.backend=ray", "runtime.critic_ranks=1", "algo=grpo"])
