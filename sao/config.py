@@ -227,7 +227,9 @@ class RolloutConfig(_Section):
     failure), ``broadcast`` (a process group with the servers: NCCL on GPU, gloo on CPU;
     `sao serve` and SGLang), ``auto`` = disk."""
     weight_transfer_address: str = "127.0.0.1"
-    """Address the servers reach the trainer on for ``weight_transfer=broadcast``."""
+    """Address the servers reach the trainer on for ``weight_transfer=broadcast``
+    (backend=local; with backend=ray the trainer's rank 0 hosts the group at its node's
+    address)."""
 
 
 class TrainConfig(_Section):

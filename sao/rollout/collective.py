@@ -21,7 +21,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-__all__ = ["WeightGroup", "init_weight_group", "receive_tensors", "send_tensors"]
+__all__ = [
+    "WeightGroup",
+    "describe",
+    "init_weight_group",
+    "meta_state",
+    "receive_tensors",
+    "send_tensors",
+]
 
 _DTYPES = {str(t).removeprefix("torch."): t for t in (torch.float32, torch.bfloat16, torch.float16)}
 _names = itertools.count()
@@ -129,6 +136,17 @@ class WeightGroup:
         if self.pg is None:
             raise RuntimeError("WeightGroup.send before open(): the servers have not joined")
         send_tensors(self.tensors(state_dict), self.pg)
+
+
+def meta_state(info: Mapping[str, Sequence[object]]) -> dict[str, torch.Tensor]:
+    """Meta tensors with :func:`describe`'s names, dtypes and shapes: what a
+    receiving end needs of a state dict another process sends."""
+    return {
+        str(name): torch.empty(tuple(shape), dtype=_DTYPES[str(dtype)], device="meta")  # type: ignore[arg-type]
+        for name, dtype, shape in zip(
+            info["names"], info["dtype_names"], info["shapes"], strict=True
+        )
+    }
 
 
 def describe(state_dict: Mapping[str, torch.Tensor]) -> dict[str, list[object]]:

@@ -169,9 +169,8 @@ class _HttpEngine:
         :class:`BroadcastWeights` is received while the trainer sends it."""
         if isinstance(source, BroadcastWeights):
             group = cast(WeightGroup, source.group)
-            await asyncio.gather(
-                self.receive_broadcast(source), asyncio.to_thread(group.send, source.state_dict)
-            )
+            sends = [asyncio.to_thread(group.send, source.state_dict)] if source.send else []
+            await asyncio.gather(self.receive_broadcast(source), *sends)
             return
         if not isinstance(source, DiskWeights):
             raise TypeError(

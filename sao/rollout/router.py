@@ -125,10 +125,18 @@ class EngineRouter:
             finally:
                 self.outstanding[i] -= 1
 
-    async def join_weight_group(self, group: WeightGroup) -> None:
-        """Open ``group`` (the trainer as rank 0) with every engine as ranks 1..N."""
-        joins = [cast(Any, e).join_weight_group(group, 1 + i) for i, e in enumerate(self.engines)]
-        await asyncio.gather(asyncio.to_thread(group.open), *joins)
+    async def join_weight_group(
+        self, group: WeightGroup, first_rank: int = 1, *, host: bool = True
+    ) -> None:
+        """Every engine joins ``group`` as ranks ``first_rank``.. in order; ``host``:
+        this process opens it as the trainer's rank 0 meanwhile (False: another
+        process does, e.g. a Ray trainer rank)."""
+        joins = [
+            cast(Any, e).join_weight_group(group, first_rank + i)
+            for i, e in enumerate(self.engines)
+        ]
+        opens = [asyncio.to_thread(group.open)] if host else []
+        await asyncio.gather(*opens, *joins)
 
     async def update_weights(self, source: WeightSource) -> None:
         live = [i for i, ok in enumerate(self.alive) if ok]
@@ -143,11 +151,12 @@ class EngineRouter:
                 )
             group = cast(WeightGroup, source.group)
             updates = [cast(Any, self.engines[i]).receive_broadcast(source) for i in live]
-            sent, *results = await asyncio.gather(
-                asyncio.to_thread(group.send, source.state_dict), *updates, return_exceptions=True
-            )
-            if isinstance(sent, BaseException):
-                raise sent
+            sends = [asyncio.to_thread(group.send, source.state_dict)] if source.send else []
+            done = await asyncio.gather(*sends, *updates, return_exceptions=True)
+            results = done[len(sends) :]
+            for sent in done[: len(sends)]:
+                if isinstance(sent, BaseException):
+                    raise sent
         else:
             results = await asyncio.gather(
                 *(self.engines[i].update_weights(source) for i in live), return_exceptions=True

@@ -66,11 +66,16 @@ class DiskWeights:
 @dataclass(frozen=True)
 class BroadcastWeights:
     """Tensors the trainer broadcasts over ``group`` (a joined
-    :class:`~sao.rollout.collective.WeightGroup`) as version ``version``."""
+    :class:`~sao.rollout.collective.WeightGroup`) as version ``version``.
+    ``send``: this process is the trainer's end and sends while the engines
+    receive; False when another process sends (a Ray trainer rank): then
+    ``state_dict`` only describes the tensors (names, dtypes, shapes; meta
+    tensors will do)."""
 
     state_dict: Mapping[str, torch.Tensor]
     version: int
     group: object
+    send: bool = True
 
 
 WeightSource = TensorWeights | DiskWeights | BroadcastWeights

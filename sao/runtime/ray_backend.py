@@ -41,6 +41,7 @@ import torch
 from sao.config import Config, ConfigError, to_dict, validate
 from sao.envs.base import Split, Task
 from sao.rollout.resume import EpisodeResume
+from sao.rollout.router import NoLiveEngineError
 from sao.types import SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -133,6 +134,7 @@ class RolloutWorker:
         self.version = version
         self.runner: Any = None
         self.engine: Any = None
+        self.weight_group: Any = None  # the servers' weight-transfer group (broadcast)
 
     async def start(self) -> int:
         """Build the task, tokenizer and engine (on the worker's event loop)."""
@@ -199,6 +201,25 @@ class RolloutWorker:
         self.version = version
         return time.perf_counter() - t0
 
+    async def join_weight_group(self, group: Any, first_rank: int | None) -> None:
+        """This worker's servers join ``group`` as ranks ``first_rank``.. (a Ray
+        trainer rank hosts it); None: they joined already (a replacement worker)."""
+        self.weight_group = group
+        if first_rank is not None:
+            await self.engine.join_weight_group(group, first_rank, host=False)
+
+    async def receive_weights(self, info: dict[str, list[object]], version: int) -> float:
+        """This worker's servers receive version ``version`` while the trainer's
+        rank 0 broadcasts it (``info``: names, dtypes, shapes); returns the seconds."""
+        from sao.rollout.collective import meta_state
+        from sao.rollout.weights import BroadcastWeights
+
+        t0 = time.perf_counter()
+        source = BroadcastWeights(meta_state(info), version, self.weight_group, send=False)
+        await self.engine.update_weights(source)
+        self.version = version
+        return time.perf_counter() - t0
+
     def set_train_step(self, step: int) -> None:
         self.runner.set_train_step(step)
 
@@ -234,6 +255,7 @@ class RayRunner:
     train_step: int | None = None
     replaced: int = 0
     pg: Any = None
+    weight_group: Any = None  # set when weights are broadcast to the servers
     _lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     async def run(
@@ -268,7 +290,9 @@ class RayRunner:
             logger.warning("rollout worker %d died (%s); starting a new one", slot.bundle, err)
             actor = self.make_actor(slot.bundle, slot.servers, self.version)
             await actor.start.remote()
-            if self.weights is not None:
+            if self.weight_group is not None:  # its servers are in the group, at self.version
+                await actor.join_weight_group.remote(self.weight_group, None)
+            elif self.weights is not None:
                 await actor.update_weights.remote(self.weights, self.version)
             if self.train_step is not None:
                 await actor.set_train_step.remote(self.train_step)
@@ -288,6 +312,31 @@ class RayRunner:
                 await self._replace(slot, slot.actor, result)
             elif isinstance(result, BaseException):
                 raise result
+
+    async def join_weight_group(self, group: Any) -> None:
+        """Every worker's servers join ``group``, ranked in worker order from 1
+        (rank 0 is the trainer's, which opens it meanwhile)."""
+        self.weight_group = group
+        firsts = [1 + sum(len(s.servers) for s in self.slots[:i]) for i in range(len(self.slots))]
+        calls = [
+            s.actor.join_weight_group.remote(group, f)
+            for s, f in zip(self.slots, firsts, strict=True)
+        ]
+        await asyncio.gather(*calls)
+
+    async def receive_broadcast(self, info: dict[str, list[object]], version: int) -> None:
+        """Every worker's servers receive ``version`` (the trainer sends meanwhile).
+        A worker that dies here stops the run: the broadcast needs all of its ranks."""
+        calls = [s.actor.receive_weights.remote(info, version) for s in self.slots]
+        try:
+            await asyncio.gather(*calls)
+        except self.ray.exceptions.RayActorError as err:
+            raise NoLiveEngineError(
+                f"a rollout worker died during a weight broadcast ({type(err).__name__}), and a "
+                "broadcast needs every server: continue with `sao train --resume RUN_DIR`, or "
+                "use rollout.weight_transfer=disk to survive it"
+            ) from err
+        self.version = version
 
     async def take_resumes(self, keys: list[str]) -> dict[str, EpisodeResume]:
         """Snapshots of the episodes ``keys`` from whichever worker runs them."""
@@ -359,7 +408,7 @@ async def start_workers(
 async def open_ray_rollout(
     cfg: Config,
     policy: torch.nn.Module,
-    weights: Callable[[], Awaitable[Any]],
+    trainer: Any,
     model_dir: Path,
     run_dir: Path,
     version: int,
@@ -367,8 +416,11 @@ async def open_ray_rollout(
 ) -> AsyncIterator[tuple[RayRunner, Publish]]:
     """Rollout workers (and any servers they drive) for a run, and the
     function that publishes the trainer's weights to them; torn down on exit.
+    ``trainer``: the :class:`~sao.runtime.ray_trainer.RayTrainerGroup`, whose
     ``weights()`` gives an object-store reference to the policy's state dict
-    (the trainer ranks'); ``policy`` is only read for its config."""
+    and whose rank 0 hosts the broadcast to the servers
+    (``rollout.weight_transfer=broadcast``); ``policy`` is only read for its
+    config and device."""
     from sao.rollout.weights import write_weights
     from sao.runtime.engines import configured_servers
 
@@ -380,10 +432,15 @@ async def open_ray_rollout(
         )
         runner = await start_workers(cfg, str(model_dir), task, urls, version)
         stack.push_async_callback(runner.close)
+        if r.weight_transfer == "broadcast":
+            publish = await _broadcast_publish(cfg, policy, trainer, runner, len(urls))
+            await publish(version)  # the servers sample with the trainer's weights from here on
+            yield runner, publish
+            return
 
         async def publish(v: int) -> float:
             t0 = time.perf_counter()
-            ref = await weights()
+            ref = await trainer.weights()
             if r.engine == "torch":  # every worker resolves the same object-store copy
                 payload: Any = ref
             else:  # servers read a directory: write it once here
@@ -397,3 +454,24 @@ async def open_ray_rollout(
 
         await publish(version)  # workers sample with the trainer's weights from here on
         yield runner, publish
+
+
+async def _broadcast_publish(
+    cfg: Config, policy: torch.nn.Module, trainer: Any, runner: RayRunner, servers: int
+) -> Publish:
+    """Set up the weight-transfer group (the trainer's rank 0 hosts it, every
+    server joins through the worker that drives it) and return ``publish``:
+    rank 0 broadcasts each version while the workers' servers receive it."""
+    device = next(policy.parameters()).device
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    group = await trainer.new_weight_group(1 + servers, backend, cfg.rollout.request_timeout_s)
+    info, _ = await asyncio.gather(
+        trainer.host_weight_group(group), runner.join_weight_group(group)
+    )
+
+    async def publish(v: int) -> float:
+        t0 = time.perf_counter()
+        await asyncio.gather(trainer.send_weights(), runner.receive_broadcast(info, v))
+        return time.perf_counter() - t0
+
+    return publish

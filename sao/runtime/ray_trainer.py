@@ -61,6 +61,7 @@ class TrainerRank:
         self.trainer: Any = None
         self.tokenizer: Any = None
         self.pending: Any = None  # the critic's targets between its two halves of a step
+        self.weight_group: Any = None  # rank 0's end of the servers' weight-transfer group
         self.dtype = torch.float32
 
     def node(self) -> tuple[str, int]:
@@ -133,6 +134,39 @@ class TrainerRank:
 
         full = full_state_dict(self.trainer.policy)
         return full if self.trainer.ranks.is_main else None
+
+    # -------------------------------------------- broadcast to the servers (rank 0 sends)
+
+    def weight_endpoint(self) -> tuple[str, int]:
+        """Where servers reach this rank for a weight-transfer group: its node's
+        address and a free port there."""
+        import ray
+
+        return ray.util.get_node_ip_address(), _free_port()
+
+    def open_weight_group(self, group: Any) -> dict[str, list[object]] | None:
+        """Rank 0 hosts ``group`` (blocks until every server joined); returns
+        what each version's tensors are (collective: one gather on every rank)."""
+        from sao.rollout.collective import describe
+
+        if self.trainer.ranks.is_main:
+            group.open()
+            self.weight_group = group
+        full = self._sendable()
+        return describe(full) if full is not None else None
+
+    def send_weights(self) -> None:
+        """Gather the policy (collective) and broadcast it from rank 0 over the
+        weight-transfer group while the servers receive."""
+        full = self._sendable()
+        if full is not None:
+            self.weight_group.send(full)
+
+    def _sendable(self) -> dict[str, torch.Tensor] | None:
+        full = self.weights()  # float32 masters when sharded: send in the model's dtype
+        if full is None:
+            return None
+        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in full.items()}
 
     def score(self, trajectories: list[Trajectory], sampling: SamplingParams) -> Any:
         """The log-probability check on these trajectories (a collective forward
@@ -297,6 +331,23 @@ class RayTrainerGroup:
         except self.ray.exceptions.RayActorError as err:
             raise TrainerRankError(f"a trainer rank died while gathering weights ({err})") from err
         return calls[0]
+
+    async def new_weight_group(self, world_size: int, backend: str, timeout_s: float) -> Any:
+        """A weight-transfer group hosted by rank 0 for ``world_size - 1`` server
+        ranks, not yet open: pass it to the servers, then :meth:`host_weight_group`."""
+        from sao.rollout.collective import WeightGroup
+
+        host, port = (await self._wait([self.ranks[0].weight_endpoint.remote()], "setup"))[0]
+        return WeightGroup(host, port, world_size, backend=backend, timeout_s=timeout_s)
+
+    async def host_weight_group(self, group: Any) -> dict[str, list[object]]:
+        """Rank 0 opens ``group`` (returns when every server joined); what each
+        version's tensors are (names, dtypes, shapes)."""
+        return (await self._all("open_weight_group", group))[0]
+
+    async def send_weights(self) -> None:
+        """One version broadcast from rank 0 (the servers must receive meanwhile)."""
+        await self._all("send_weights")
 
     async def score(
         self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None

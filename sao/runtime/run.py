@@ -260,9 +260,7 @@ async def _rollout(
         assert not isinstance(task, AgentTask)  # refused when the trainer started
         from sao.runtime.ray_backend import open_ray_rollout
 
-        async with open_ray_rollout(
-            cfg, p.policy, handle.weights, model_dir, run_dir, version, task
-        ) as (
+        async with open_ray_rollout(cfg, p.policy, handle, model_dir, run_dir, version, task) as (
             ray_runner,
             publish,
         ):

@@ -106,3 +106,30 @@ def test_ray_backend_without_ray_says_how_to_install(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(builtins, "__import__", no_ray)
     with pytest.raises(ConfigError, match=r"pip install 'sao\[ray\]'"):
         _ray()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_ray_trainer_rank_broadcasts_weights_to_the_servers(
+    tmp_path: Path, tiny_policy: Path
+) -> None:
+    """Two rollout workers, each driving one launched `sao serve`; every version
+    goes from the trainer's rank 0 to both servers over one gloo group, never
+    through the filesystem, and the sampled reward rises (the servers'
+    weights change: nothing else can raise it)."""
+    history = run(
+        tmp_path,
+        tiny_policy,
+        "algo=sao",
+        "algo.critic_pretrain_steps=2",
+        "runtime.backend=ray",
+        "runtime.rollout_workers=2",
+        "rollout.engine=http",
+        "rollout.launch=2",
+        "rollout.weight_transfer=broadcast",
+    )
+    first, last = _reward_gain(history)
+    assert last > first + 0.2, (first, last)
+    assert [r["version"] for r in history if "version" in r][-1] == 16
+    assert all(r["publish/sync_s"] > 0 for r in history if "publish/sync_s" in r)
+    assert not (tmp_path / "run" / "weights").exists()  # nothing went through the filesystem
