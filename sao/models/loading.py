@@ -22,7 +22,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-__all__ = ["ModelLoadError", "load_config", "load_policy", "load_tokenizer"]
+__all__ = ["ModelLoadError", "load_config", "load_policy", "load_tokenizer", "policy_shell"]
 
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -84,6 +84,17 @@ def load_policy(
         Path(path).expanduser(), config=config, dtype=dtype, local_files_only=True
     )
     return model.to(device)  # type: ignore[arg-type]  # transformers' typing of .to
+
+
+def policy_shell(
+    path: str | os.PathLike[str], *, dtype: torch.dtype = torch.float32
+) -> PreTrainedModel:
+    """The causal LM of ``path`` on the "meta" device: its config, parameter
+    names, shapes and dtypes, and no weights (no memory)."""
+    load_policy_config = load_config(path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(load_policy_config, dtype=dtype)
+    return model
 
 
 def load_tokenizer(path: str | os.PathLike[str]) -> PreTrainedTokenizerBase:

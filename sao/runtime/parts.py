@@ -18,7 +18,7 @@ from sao.envs.latency import LatencyWrapper
 from sao.envs.registry import make_task
 from sao.models.device import DeviceError, resolve_device, resolve_dtype
 from sao.models.freeze import freeze_attention
-from sao.models.loading import load_policy, load_tokenizer
+from sao.models.loading import load_policy, load_tokenizer, policy_shell
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
 from sao.runtime.orchestrator import FailurePolicy
@@ -40,7 +40,8 @@ class Parts:
     tokenizer: PreTrainedTokenizerBase
     policy: PreTrainedModel
     critic: ValueModel | None
-    trainer: Trainer
+    trainer: Trainer | None
+    """None for the driver of Ray trainer ranks (they build their own)."""
     sampling: SamplingParams
     limits: EpisodeLimits
     device: torch.device = torch.device("cpu")  # noqa: RUF009 (immutable)
@@ -103,27 +104,37 @@ def build_parts(
     *,
     ranks: RankContext | None = None,
     quiet: bool = False,
+    models: bool = True,
 ) -> Parts:
     """Load models and build the trainer. ``start_dir`` overrides the policy
     (resume); ``task`` replaces the configured built-in task (your own env);
-    ``ranks`` makes this one rank of a sharded trainer (``quiet``: print nothing)."""
+    ``ranks`` makes this one rank of a sharded trainer (``quiet``: print nothing).
+    ``models=False``: the driver of Ray trainer ranks, which load what they
+    train: the policy is a weightless "meta" shell (config, names, dtypes), and
+    there is no critic and no trainer."""
     device, dtype = model_device(cfg)
     if task is None:
         task = build_task(cfg)
     elif cfg.model.path is None:
         raise ConfigError("training your own task needs model.path (a local checkpoint)")
     tokenizer = load_tokenizer(policy_path(cfg))
+    if not models:
+        shell = policy_shell(start_dir / "policy" if start_dir else policy_path(cfg), dtype=dtype)
+        sampling = sampling_params(cfg)
+        return Parts(cfg, task, tokenizer, shell, None, None, sampling, build_limits(cfg), device)
     policy = load_trained_policy(cfg, start_dir, device, dtype)
     critic = load_critic(cfg, start_dir, device, dtype, quiet=quiet)
-    r = cfg.rollout
-    sampling = SamplingParams(
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-    )
     trainer = Trainer(policy, critic, cfg.algo.resolve(), optim_settings(cfg), ranks)
+    sampling = sampling_params(cfg)
     return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, build_limits(cfg), device)
+
+
+def sampling_params(cfg: Config) -> SamplingParams:
+    """The run's sampling settings (``rollout.*``)."""
+    r = cfg.rollout
+    return SamplingParams(
+        temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens
+    )
 
 
 def model_device(cfg: Config) -> tuple[torch.device, torch.dtype]:

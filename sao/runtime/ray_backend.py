@@ -462,8 +462,9 @@ async def _broadcast_publish(
     """Set up the weight-transfer group (the trainer's rank 0 hosts it, every
     server joins through the worker that drives it) and return ``publish``:
     rank 0 broadcasts each version while the workers' servers receive it."""
-    device = next(policy.parameters()).device
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    from sao.runtime.engines import model_device_type
+
+    backend = "nccl" if model_device_type(cfg, policy) == "cuda" else "gloo"
     group = await trainer.new_weight_group(1 + servers, backend, cfg.rollout.request_timeout_s)
     info, _ = await asyncio.gather(
         trainer.host_weight_group(group), runner.join_weight_group(group)

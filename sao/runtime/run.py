@@ -90,7 +90,7 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
     run_dir = prepare_run_dir(cfg, resume is not None)
     _seed(cfg.seed)
     try:
-        parts = build_parts(cfg, ckpt, task)
+        parts = build_parts(cfg, ckpt, task, models=cfg.runtime.backend == "local")
     except BaseException:
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -112,7 +112,7 @@ def _restore(
     if ckpt is None:
         return RolloutState(), 0, 0
     saved, blob, trajs = load_state(ckpt)
-    if not blob["trainer"].get("sharded"):  # else the trainer ranks load checkpoint/sharded
+    if p.trainer is not None:  # (else the trainer ranks load checkpoint/sharded themselves)
         p.trainer.load_state_dict(blob["trainer"])
     set_rng_state(blob["rng"])
     gate.started, gate.rejected, gate.dropped = saved["gate"]

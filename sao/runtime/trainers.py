@@ -52,10 +52,11 @@ class LocalTrainer:
     """The trainer of :class:`~sao.runtime.parts.Parts`, in this process."""
 
     def __init__(self, parts: Parts) -> None:
-        self.p = parts
+        assert parts.trainer is not None, "a local trainer needs the parts' trainer"
+        self.p, self.trainer = parts, parts.trainer
 
     async def step(self, batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
-        stats = await asyncio.to_thread(self.p.trainer.step, batch, train_actor=train_actor)
+        stats = await asyncio.to_thread(self.trainer.step, batch, train_actor=train_actor)
         return {k: float(v) for k, v in stats.items()}
 
     async def weights(self) -> Any:
@@ -77,7 +78,7 @@ class LocalTrainer:
         await asyncio.to_thread(write)
 
     def trainer_state(self) -> dict[str, object]:
-        return self.p.trainer.state_dict()
+        return self.trainer.state_dict()
 
     async def export(self, directory: Path) -> None:
         def write() -> None:
