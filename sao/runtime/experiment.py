@@ -173,13 +173,12 @@ EXPERIMENTS: dict[str, Experiment] = {
             claim=(
                 "Paper Table 5 and Fig. 6 (multi-turn agentic task, 400 steps): token-level "
                 "GAE (SAO) 89.8 vs step-level GAE 85.8 (turn average) / 87.3 (turn last "
-                "token), and a higher training reward. Here: guess-tiny (guess a number "
-                "from higher/lower feedback, up to 7 turns). Caveat: guess-tiny does not yet "
-                "learn under RL (BENCHMARKS.md: held-out success stays near the warm "
-                "start's 0.38 under every arm tried), so until a multi-turn task where RL "
-                "helps exists, a null result here says nothing about the claim. " + _COMPARED
+                "token), and a higher training reward. Here: calc-tiny, a multi-turn tool "
+                "task where RL helps: each episode calls the calculator (its observation is "
+                "the result the answer needs) one or more times, then answers; reward at the "
+                "end. (guess-tiny, 7 turns, does not learn under RL: BENCHMARKS.md.) " + _COMPARED
             ),
-            preset="guess-tiny",
+            preset="calc-tiny",
             base=_steps(150),
             arms={
                 "sao": _SAO,
@@ -187,8 +186,8 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "step_last_token": ("algo=step_last_token",),
             },
             cost=(
-                "~55 min: 9 runs x 150 steps at ~4 s a step (7-turn episodes), 4 s per eval, "
-                "2 at a time; the first time, ~2 min more for the seed-1 and seed-2 warm starts"
+                "~35 min: 9 runs x 150 steps at ~2.2 s a step, 2 at a time (+~5 min of warm "
+                "starts the first time, shared with table1)"
             ),
         ),
         Experiment(

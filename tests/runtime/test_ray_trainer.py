@@ -138,7 +138,7 @@ def test_a_critic_on_its_own_rank_learns_and_resumes_colocated(
 def test_critic_ranks_are_refused_where_they_cannot_work() -> None:
     from sao.config import ConfigError
 
-    with pytest.raises(ConfigError, match="critic_ranks > 0 needs runtime.backend=ray"):
+    with pytest.raises(ConfigError, match=r"critic_ranks > 0 needs runtime\.backend=ray"):
         load_config(overrides=["runtime.critic_ranks=1"])
     with pytest.raises(ConfigError, match="trains no critic"):
         load_config(overrides=["runtime.backend=ray", "runtime.critic_ranks=1", "algo=grpo"])
