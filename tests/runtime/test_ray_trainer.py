@@ -33,7 +33,7 @@ def _shutdown_ray():
 
 def _kill_rank_after(metrics: Path, step: int) -> threading.Thread:
     def watch() -> None:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + 600  # (Ray starts slowly on a loaded machine)
         while time.monotonic() < deadline:
             if metrics.is_file():
                 steps = [json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()]
