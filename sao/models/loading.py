@@ -91,9 +91,9 @@ def policy_shell(
 ) -> PreTrainedModel:
     """The causal LM of ``path`` on the "meta" device: its config, parameter
     names, shapes and dtypes, and no weights (no memory)."""
-    load_policy_config = load_config(path)
+    config = load_config(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(load_policy_config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
 
 

@@ -101,8 +101,7 @@ class TrainerRank:
         return torch.get_num_threads()
 
     def step(self, trajectories: list[Trajectory], train_actor: bool) -> dict[str, float]:
-        stats = self.trainer.step(trajectories, train_actor=train_actor)
-        return {k: float(v) for k, v in stats.items()}
+        return _floats(self.trainer.step(trajectories, train_actor=train_actor))
 
     def critic_targets(self, trajectories: list[Trajectory], train_actor: bool) -> Any:
         """The critic group's first half of a step: the actor's advantages (rank 0's)."""
@@ -116,7 +115,7 @@ class TrainerRank:
         from sao.train.groups import critic_update
 
         pending, self.pending = self.pending, None
-        return {k: float(v) for k, v in critic_update(self.trainer, pending).items()}
+        return _floats(critic_update(self.trainer, pending))
 
     def actor_update(self, trajectories: list[Trajectory], advantages: Any) -> Any:
         """The actor group's step on the critic group's advantages (None: the
@@ -125,8 +124,7 @@ class TrainerRank:
 
         if advantages is None:
             return None
-        stats = actor_update(self.trainer, trajectories, advantages)
-        return {k: float(v) for k, v in stats.items()}
+        return _floats(actor_update(self.trainer, trajectories, advantages))
 
     def weights(self) -> dict[str, torch.Tensor] | None:
         """The full policy state dict on rank 0 (collective; None elsewhere)."""
@@ -163,10 +161,10 @@ class TrainerRank:
             self.weight_group.send(full)
 
     def _sendable(self) -> dict[str, torch.Tensor] | None:
+        from sao.train.sharded_checkpoint import cast_floating
+
         full = self.weights()  # float32 masters when sharded: send in the model's dtype
-        if full is None:
-            return None
-        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in full.items()}
+        return None if full is None else cast_floating(full, self.dtype)
 
     def score(self, trajectories: list[Trajectory], sampling: SamplingParams) -> Any:
         """The log-probability check on these trajectories (a collective forward
@@ -224,6 +222,11 @@ class TrainerRank:
 
     def pid(self) -> int:
         return os.getpid()
+
+
+def _floats(stats: dict[str, Any]) -> dict[str, float]:
+    """Metrics as plain floats (0-dim CPU tensors do not cross to the driver as numbers)."""
+    return {k: float(v) for k, v in stats.items()}
 
 
 def rank_threads(configured: int, nodes: list[tuple[str, int]], rank: int) -> int:

@@ -92,9 +92,9 @@ def merge_stats(critic: dict[str, float], actor: dict[str, float] | None) -> dic
     if actor is None:
         return critic
     out = critic | {k: v for k, v in actor.items() if not k.startswith("train/")}
-    out["train/skipped_steps"] = critic.get(k := "train/skipped_steps", 0.0) + actor.get(k, 0.0)
-    k = "train/consecutive_bad_steps"
-    out[k] = max(critic.get(k, 0.0), actor.get(k, 0.0))
+    skipped, bad_run = "train/skipped_steps", "train/consecutive_bad_steps"
+    out[skipped] = critic.get(skipped, 0.0) + actor.get(skipped, 0.0)
+    out[bad_run] = max(critic.get(bad_run, 0.0), actor.get(bad_run, 0.0))
     out["critic/skipped_steps"] = critic.get("critic/skipped_steps", 0.0)
     return out
 

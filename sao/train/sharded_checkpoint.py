@@ -52,7 +52,7 @@ from sao.train.precision import MasterWeights
 from sao.train.sharded import RankContext, full_state_dict
 from sao.train.trainer import Trainer
 
-__all__ = ["load_sharded", "save_pretrained_gathered", "save_sharded"]
+__all__ = ["cast_floating", "load_sharded", "save_pretrained_gathered", "save_sharded"]
 
 StateDict = dict[str, Any]
 
@@ -221,6 +221,12 @@ def _restore_extra(trainer: Trainer, extra: StateDict) -> None:
 # ---------------------------------------------------------------- export
 
 
+def cast_floating(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` with its floating tensors in ``dtype`` (FSDP2 shards bf16 models
+    in float32: this gives the gathered weights back the model's dtype)."""
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
 def save_pretrained_gathered(
     model: nn.Module,
     directory: str | os.PathLike[str],
@@ -238,7 +244,7 @@ def save_pretrained_gathered(
     path = Path(directory)
     if ranks.is_main:
         if dtype is not None:
-            full = {k: v.to(dtype) if v.is_floating_point() else v for k, v in full.items()}
+            full = cast_floating(full, dtype)
         if isinstance(model, ValueModel):
             _save_value_model(model, full, path)
         else:
