@@ -23,7 +23,9 @@ __all__ = [
     "Verdict",
     "detect_style",
     "judge_text",
+    "style_share",
     "style_tag",
+    "style_votes",
     "words",
 ]
 
@@ -83,6 +85,28 @@ def detect_style(text: str) -> str | None:
     counts = {s: sum(w in MARKERS[s] for w in words) for s in STYLES}
     best_other = max(c for s, c in counts.items() if s != tag)
     return tag if counts[tag] >= 1 and counts[tag] > best_other else None
+
+
+def style_votes(text: str) -> dict[str, int]:
+    """Votes per style: one for the declared ``[style]`` tag, one per marker word.
+
+    Marker words are counted in the body after a known tag, or in the whole
+    text when it has none (then there is no tag vote).
+    """
+    m = _TAG.match(text)
+    tag = m.group(1).lower() if m is not None and m.group(1).lower() in STYLES else None
+    body = m.group(2) if m is not None and tag is not None else text
+    words = _WORD.findall(body.lower())
+    return {s: int(s == tag) + sum(w in MARKERS[s] for w in words) for s in STYLES}
+
+
+def style_share(text: str, style: str) -> float:
+    """The share of ``text``'s style votes (:func:`style_votes`) that ``style`` holds; 0
+    when it has none. ``[cute] behold, red cats awaken the darkness`` holds 3 of 4
+    chuunibyou votes (behold, awaken, darkness) and 1 of 4 cute ones (the tag)."""
+    votes = style_votes(text)
+    total = sum(votes.values())
+    return votes[style] / total if total else 0.0
 
 
 def judge_text(

@@ -15,7 +15,14 @@ style follows a schedule over training steps (default cute from step 0,
 chuunibyou from 133, classical from 266); the task is ``StepAware`` and every
 env made after ``set_train_step`` judges with the then-current preference.
 ``make_eval_env(index, style)`` pins the preference for held-out evaluation
-per style. Optionally an LLM behind an OpenAI-compatible endpoint judges
+per style.
+
+``credit="partial"`` (an option; the paper's reward is binary) replaces the
+style match by the share of the text's style votes that the preferred style
+holds (:func:`~sao.envs.style_judges.style_share`: the tag is one vote, each
+marker word one), so a text that drifts toward the new style after a switch
+earns something before it is wholly in that style; an episode succeeds when
+the share is above one half. Optionally an LLM behind an OpenAI-compatible endpoint judges
 quality and style instead (``judge="openai"``); any error gives reward 0 with
 the reason kept in ``env.verdict.reason``.
 
@@ -45,6 +52,7 @@ from sao.envs.style_judges import (
     Verdict,
     detect_style,
     judge_text,
+    style_share,
     style_tag,
     words,
 )
@@ -62,6 +70,8 @@ __all__ = [
     "judge_text",
     "preferred_style",
 ]
+
+CREDITS = ("binary", "partial")
 
 DEFAULT_SCHEDULE: tuple[tuple[int, str], ...] = (
     (0, "cute"),
@@ -150,11 +160,19 @@ class StyleShiftEnv:
     """One writing episode judged against a fixed preferred style."""
 
     def __init__(
-        self, topic: str, preferred: str, *, judge: Judge, max_turns: int = 1, system: bool = False
+        self,
+        topic: str,
+        preferred: str,
+        *,
+        judge: Judge,
+        max_turns: int = 1,
+        system: bool = False,
+        credit: str = "binary",
     ) -> None:
         self.topic = topic
         self.preferred = preferred
         self.judge = judge
+        self.credit = credit
         self.max_turns = max_turns
         self.system = system
         self.turns = 0
@@ -194,16 +212,22 @@ class StyleShiftEnv:
             "preferred": self.preferred,
             "reason": self.verdict.reason,
         }
-        for style in STYLES:  # what the reply would score under each preference
-            info[f"metric/style_{style}"] = float(
-                self.verdict.quality and self.verdict.style == style
-            )
+        for style in STYLES:  # success under each preference (reward > 1/2)
+            info[f"metric/style_{style}"] = float(self._credit(style) > 0.5)
         return StepResult(None, done=True, info=info)
 
-    def score(self) -> float:
-        """quality x (detected style == preferred style); 0 when nothing was judged."""
+    def _credit(self, style: str) -> float:
         v = self.verdict
-        return 1.0 if v is not None and v.quality and v.style == self.preferred else 0.0
+        if v is None or not v.quality or self.text is None:
+            return 0.0
+        if self.credit == "partial":
+            return style_share(self.text, style)
+        return float(v.style == style)
+
+    def score(self) -> float:
+        """quality x (detected style == preferred style), or quality x the preferred
+        style's share of the votes with ``credit="partial"``; 0 when nothing was judged."""
+        return self._credit(self.preferred)
 
     def state_dict(self) -> dict[str, object]:
         """The episode so far (``RestorableEnv``), with its preferred style."""
@@ -241,6 +265,9 @@ class StyleShiftTask:
     ``"openai"`` (then ``judge_base_url`` and ``judge_model`` are required).
     ``max_turns > 1`` lets the policy retry an untagged text after a format
     hint. ``error_rate`` is the share of flawed demonstrations.
+    ``credit`` is ``"binary"`` (the paper's quality x style match) or
+    ``"partial"`` (quality x the preferred style's share of the style votes;
+    built-in judge only).
     ``demo_lean`` is the weight of the schedule's first style among the
     demonstrations' styles (the others weigh 1 each): a warm start that leans
     toward the first audience's taste, as a pretrained model's prior would, so
@@ -262,6 +289,7 @@ class StyleShiftTask:
         max_turns: int = 1,
         error_rate: float = 0.3,
         demo_lean: float = 2.0,
+        credit: str = "binary",
         system: bool = False,
         judge: str = "builtin",
         judge_base_url: str = "",
@@ -278,6 +306,12 @@ class StyleShiftTask:
         _check(eval_size >= 1, "eval_size", "use 1 or more")
         _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
         _check(demo_lean > 0, "demo_lean", "use a weight > 0 (1 = all styles equally likely)")
+        _check(credit in CREDITS, "credit", f"use one of {CREDITS}, got {credit!r}")
+        _check(
+            credit == "binary" or judge == "builtin",
+            "credit",
+            "'partial' needs the built-in judge (an LLM judge gives one style, not votes)",
+        )
         self.judge: Judge
         if judge == "builtin":
             self.judge = BuiltinJudge(min_words, max_words, max_chars)
@@ -300,6 +334,7 @@ class StyleShiftTask:
         self._eval_size = eval_size
         self.max_turns = max_turns
         self.error_rate = error_rate
+        self.credit = credit
         self.demo_weights = [demo_lean if s == self.schedule[0][1] else 1.0 for s in STYLES]
         self.system = system
         self.train_step = 0
@@ -348,7 +383,12 @@ class StyleShiftTask:
 
     def _env(self, topic: str, preferred: str) -> StyleShiftEnv:
         return StyleShiftEnv(
-            topic, preferred, judge=self.judge, max_turns=self.max_turns, system=self.system
+            topic,
+            preferred,
+            judge=self.judge,
+            max_turns=self.max_turns,
+            system=self.system,
+            credit=self.credit,
         )
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:

@@ -17,6 +17,7 @@ import pytest
 
 from sao.envs.base import Env, StepAware, Task
 from sao.envs.registry import make_task
+from sao.envs.style_judges import style_share, style_votes
 from sao.envs.style_shift import (
     FORMAT_HINT,
     STYLES,
@@ -105,6 +106,53 @@ def test_quality_failures(text: str, reason: str) -> None:
     assert play(env, [text]).score == 0.0
 
 
+def test_style_votes_by_hand() -> None:
+    # tag cute (1) + uwu (1); behold, darkness (2 chuunibyou)
+    assert style_votes("[cute] behold the darkness, red cats, uwu") == {
+        "academic": 0,
+        "cute": 2,
+        "chuunibyou": 2,
+        "classical": 0,
+    }
+    # no tag: no tag vote, markers counted in the whole text
+    assert style_votes("thou red cats, yay")["classical"] == 1
+    assert style_votes("red cats")["cute"] == 0 and style_share("red cats", "cute") == 0.0
+    # the chuunibyou case: tag + behold, awaken, darkness, sealed = 5 of 5
+    assert style_share(CASES["chuunibyou"], "chuunibyou") == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "preferred", "score", "succeeds_under"),
+    [
+        (CASES["cute"], "cute", 1.0, {"cute"}),  # tag + fluffy, smol, yay: 4 of 4
+        (CASES["cute"], "chuunibyou", 0.0, {"cute"}),
+        # a cute text drifting after a switch: cute tag + fluffy (2), cursed (1 of 3)
+        ("[cute] red cats are so fluffy, my cursed friends", "chuunibyou", 1 / 3, {"cute"}),
+        # cute tag (1) + behold, awaken, darkness (3): 3 of 4 under chuunibyou
+        ("[cute] behold! red cats awaken the darkness now", "chuunibyou", 3 / 4, {"chuunibyou"}),
+        ("[cute] behold! red cats awaken the darkness now", "cute", 1 / 4, {"chuunibyou"}),
+        # 2 of 4 each: no style above one half succeeds
+        ("[cute] behold the darkness, red cats, uwu", "cute", 1 / 2, set()),
+        ("[cute] red cats yay yay yay yay fluffy", "cute", 0.0, set()),  # quality fails first
+    ],
+)
+def test_partial_credit_by_hand(
+    text: str, preferred: str, score: float, succeeds_under: set[str]
+) -> None:
+    env = StyleShiftEnv("red cats", preferred, judge=BuiltinJudge(), credit="partial")
+    ep = play(env, [text])
+    assert ep.score == pytest.approx(score)
+    info = ep.results[0].info
+    assert {s for s in STYLES if info[f"metric/style_{s}"] == 1.0} == succeeds_under
+
+
+def test_partial_credit_is_the_tasks_option() -> None:
+    task = StyleShiftTask(credit="partial")
+    assert task.make_env("train", 0).credit == "partial"
+    assert task.make_eval_env(0, "classical").credit == "partial"
+    assert StyleShiftTask().make_env("train", 0).credit == "binary"
+
+
 def test_topic_match_is_case_insensitive() -> None:
     assert judge_text("[cute] Red Cats are so fluffy, yay!", "red cats").quality
 
@@ -157,6 +205,11 @@ def test_bad_schedules(schedule: list[tuple[int, str]]) -> None:
         ({"judge": "gpt"}, "judge"),
         ({"judge": "openai", "judge_model": "m"}, "judge_base_url"),
         ({"judge": "openai", "judge_base_url": "http://x/v1"}, "judge_model"),
+        ({"credit": "graded"}, "credit"),
+        (
+            {"credit": "partial", "judge": "openai", "judge_base_url": "http://x/v1"},
+            "credit",
+        ),
     ],
 )
 def test_options_are_validated(kwargs: dict[str, object], option: str) -> None:
