@@ -200,10 +200,14 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "133, classical from 266 (dashed lines); held-out success is judged with the "
                 "style preferred at the time of each eval, and by every style (eval/style_*); "
                 "results.md gives the steps each arm needs to recover after each switch. "
-                + _COMPARED
+                "The reward gives partial credit (task.options.credit=partial: quality x the "
+                "preferred style's share of the text's style votes) where the paper's is "
+                "binary: with a binary reward, once RL has concentrated the tiny policy on "
+                "cute, no sampled text is judged in the new style and there is nothing to "
+                "follow (docs/reproduction.md). " + _COMPARED
             ),
             preset="style-shift-tiny",
-            base=_steps(400),
+            base=(*_steps(400), "task.options.credit=partial"),
             arms={
                 "sao": _SAO,
                 "running_mean": (
