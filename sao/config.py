@@ -401,10 +401,11 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "style-shift-tiny": {
         # 8-30 words: the shortest demonstration texts fail the judge, so the warm
-        # start is imperfect under the first preferred style (cute).
+        # start is imperfect under the first preferred style (cute). Actor LR 1e-4:
+        # at 3e-4 SAO collapsed before the first switch (docs/reproduction.md).
         "task": {"name": "style_shift", "options": {"min_words": 8}},
         "algo": {"preset": "sao"},
-        "train": {"steps": 400},
+        "train": {"steps": 400, "actor_lr": 1e-4},
         "rollout": {"max_turns": 1, "max_new_tokens": 96},
     },
     "python-tiny": {
