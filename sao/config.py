@@ -437,11 +437,22 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
     "swe-tiny": {
         # Synthetic one-bug repositories: read the file, copy the buggy expression and
-        # the issue's fix into one replace, submit; the tests are graded in the sandbox.
+        # the fix from the issue into one replace, submit; the tests are graded in the
+        # sandbox. 65% of the demonstrations of a wrong_operator or off_by_one bug
+        # replace it by another bug of the function and submit: the warm start's greedy
+        # policy does so on those problems (59% of them), sampling still fixes some;
+        # RL has to unlearn the habit (as calc-tiny's early answers).
         # A step that grades runs the tests (test_wall_s=20): hence the longer deadline.
         # Actor LR 1e-4: at 3e-4, held-out success fell 0.575 -> 0.09 in 30 actor steps
         # (the copying skill breaks); at 1e-4 and 3e-5 it held (BENCHMARKS.md).
-        "task": {"name": "swe", "options": {"max_turns": 6}},
+        "task": {
+            "name": "swe",
+            "options": {
+                "max_turns": 6,
+                "habit_rate": 0.65,
+                "habit_families": ["wrong_operator", "off_by_one"],
+            },
+        },
         "rollout": {
             "max_turns": 6,
             "max_new_tokens": 96,

@@ -21,6 +21,7 @@ from sao.envs.swe import SweEnv, SweTask, parse_call, reward_of
 from sao.envs.swe.grading import parse_results
 from sao.envs.swe.protocol import FORMAT, USAGE
 from sao.envs.swe.synthetic import SyntheticBug
+from sao.envs.swe.task import _predicted_tests
 from tests.envs.conftest import Episode, play
 
 
@@ -93,6 +94,65 @@ def test_families_option_limits_the_bugs() -> None:
     assert {task.bug("train", i).family for i in range(20)} == {"off_by_one"}
     with pytest.raises(ValueError, match="families"):
         SweTask(families=("typo",))
+
+
+def test_the_issue_quotes_the_bug_and_the_fix() -> None:
+    bug = SweTask().bug("train", 1)
+    assert bug.problem.issue == "basic.py: sub(u, v) returns v - u; it should return u - v"
+    assert (bug.family, bug.old, bug.new) == ("swapped_args", "v - u", "u - v")
+    assert f"    return {bug.old}\n" in bug.problem.files[0][1]
+    # sub has no other swapped_args bug: the wrong fix is its wrong_operator bug.
+    assert bug.wrong_new == "u + v"
+
+
+def test_every_wrong_fix_still_fails_the_bugs_test() -> None:
+    """The habit's fix (``wrong_new``) is never the fix: the buggy function's
+    test fails with it, for every function and bug drawn."""
+    task = SweTask()
+    for bug in (task.bug("train", i) for i in range(300)):
+        assert bug.wrong_new != bug.new
+        assert f"FAIL {bug.problem.fail_to_pass[0]}: " in _predicted_tests(bug, fixed=False)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"habit_rate": 1.5}, "habit_rate"),
+        ({"habit_rate": -0.1}, "habit_rate"),
+        ({"habit_families": ("typo",)}, "habit_families"),
+        ({"habit_families": ()}, "habit_families"),
+        ({"families": ("wrong_operator",), "habit_families": ("off_by_one",)}, "habit_families"),
+    ],
+)
+def test_bad_habit_options_are_named(options: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=f"option {message}:"):
+        SweTask(**options)  # type: ignore[arg-type]
+
+
+def test_habit_rate_is_the_share_of_habit_family_demonstrations_with_a_wrong_fix() -> None:
+    """Without other flaws (error_rate=0) a demonstration fixes the bug or, for a
+    habit family, makes the habitual wrong fix. 2000 demonstrations hold ~1250
+    wrong_operator ones (5 of the 8 functions): the share's standard error is
+    sqrt(0.65 * 0.35 / 1250) = 0.013, so 0.05 is about four of them."""
+    task = SweTask(
+        families=("wrong_operator", "missing_edge_case"),
+        habit_families=("wrong_operator",),
+        habit_rate=0.65,
+        error_rate=0.0,
+    )
+    habits: dict[bool, list[bool]] = {True: [], False: []}
+    for demo in task.demonstrations(2000, seed=0):
+        replies = [m.content for m in demo if m.role == "assistant"]
+        path, rest = demo[0].content.split(": ", 1)
+        function, rest = rest.split("(", 1)
+        old, fix = rest.split(" returns ", 1)[1].split("; it should return ")
+        assert replies[0] == f"read {path}" and replies[-1] == "submit" and len(replies) == 3
+        assert replies[1].startswith(f"replace {path} {old} => ")
+        operator_bug = function in ("add", "sub", "mul", "div", "power")
+        habits[operator_bug].append(not replies[1].endswith(f" => {fix}"))
+    assert len(habits[True]) > 1000 and len(habits[False]) > 500
+    assert abs(sum(habits[True]) / len(habits[True]) - 0.65) < 0.05
+    assert not any(habits[False])
 
 
 # ---------------------------------------------------------------- protocol

@@ -10,9 +10,10 @@ carries a bug from a family:
 * ``swapped_args``: ``return y - x`` in ``sub``;
 * ``missing_edge_case``: ``return xs[0]`` in ``head`` (fails on ``[]``).
 
-The issue names the file, the function and the expression it should
-return (``calc.py: add(x, y) should return x + y``), so a read of the file
-and an exact replacement fix it: ``replace calc.py x - y => x + y``. The
+The issue names the file, the function, the buggy expression it returns and
+the one it should (``calc.py: add(x, y) returns x - y; it should return x + y``),
+so an exact replacement copied from the issue fixes it: ``replace calc.py
+x - y => x + y``. The
 buggy function's test is FAIL_TO_PASS, the others PASS_TO_PASS; the test
 files and the runner are protected test files.
 """
@@ -148,7 +149,8 @@ class SyntheticBug:
     line: int
     """The 1-based line of the buggy ``return``."""
     wrong_new: str
-    """A plausible but wrong fix (another of the family's expressions)."""
+    """A plausible but wrong fix: another of the family's bugs, else another of
+    the function's (``b - a`` for ``a + b`` in ``sub``), else ``old`` (a no-op)."""
 
 
 def _params(t: _Template, rng: random.Random) -> dict[str, str]:
@@ -200,7 +202,7 @@ def _assemble(
         tests += [f"def test_{tt.name}():", *(f"    assert {a}" for a in tt.asserts)]
     test_file = f"test_{module}.py"
     test_body = "\n".join(tests) + "\n"
-    issue = f"{module}.py: {_signature(t, p)} should return {new}"
+    issue = f"{module}.py: {_signature(t, p)} returns {old}; it should return {new}"
     digest = stable_hash(issue, source, test_body)
     problem = SweProblem(
         instance_id=f"synthetic-{module}-{t.name}-{digest % 16**8:08x}",
@@ -211,5 +213,7 @@ def _assemble(
         files=((f"{module}.py", source), (test_file, test_body), ("run_tests.py", RUNNER)),
         test_files=((test_file, test_body), ("run_tests.py", RUNNER)),
     )
-    wrong = [o for o in options if o != old] or [old]  # another bug, or a no-op
+    # Another of the family's bugs, else another of the function's, else a no-op.
+    others = [e.format(**p) for f in sorted(t.bugs, key=lambda f: f != family) for e in t.bugs[f]]
+    wrong = [o for o in others if o != old] or [old]
     return SyntheticBug(problem, f"{module}.py", t.name, family, old, new, 2 * k + 2, wrong[0])

@@ -41,8 +41,14 @@ class SweTask:
     ``allow_root``. ``protect_tests`` gives the test files their graded
     content before grading; ``partial_credit`` scores the share of tests
     fixed instead of all-or-nothing. ``error_rate`` is the share of
-    demonstrations with a detour or a mistake; ``system`` adds a system
-    message describing the tools.
+    demonstrations with a detour or a mistake. ``habit_rate`` is the share of
+    the demonstrations of a ``habit_families`` bug (None: every family) with
+    a systematic bad habit: replacing the buggy expression by another bug
+    (``bug.wrong_new``) instead of the issue's fix, then submitting. Above
+    one half, a warm-started policy copies the habit greedily while samples
+    still fix some problems: a habit RL must unlearn (as the calculator's
+    ``early_answer_rate``). ``system`` adds a system message describing the
+    tools.
     """
 
     name = "swe"
@@ -66,6 +72,8 @@ class SweTask:
         partial_credit: bool = False,
         eval_size: int = 200,
         error_rate: float = 0.3,
+        habit_rate: float = 0.0,
+        habit_families: tuple[str, ...] | None = None,
         system: bool = False,
     ) -> None:
         bad = [f for f in families if f not in FAMILIES]
@@ -77,8 +85,16 @@ class SweTask:
         _check(run_wall_s > 0 and test_wall_s > 0, "run_wall_s/test_wall_s", "use positive seconds")
         _check(eval_size >= 1, "eval_size", "use 1 or more")
         _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
+        _check(0.0 <= habit_rate <= 1.0, "habit_rate", "use a value in [0, 1]")
+        habit_families = tuple(families if habit_families is None else habit_families)
+        _check(
+            bool(habit_families) and set(habit_families) <= set(families),
+            "habit_families",
+            f"use a non-empty subset of families {list(families)}, or None for all",
+        )
         self.seed, self.families = seed, tuple(families)
         self.error_rate = error_rate
+        self.habit_rate, self.habit_families = habit_rate, habit_families
         self._eval_size = eval_size
         limits = GradeLimits(
             wall_s=test_wall_s, memory_mb=memory_mb, disk_mb=disk_mb, allow_root=allow_root
@@ -130,9 +146,10 @@ class SweTask:
         return SweEnv(self.problem(split, index), self.options)
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:
-        """``n`` scripted fixes of train problems; ``error_rate`` of them take
-        a detour (ls, the wrong file, a miscopied edit, a test run) or fail
-        (a wrong fix, giving up). Synthetic problems only."""
+        """``n`` scripted fixes of train problems; ``habit_rate`` of those of a
+        ``habit_families`` bug make the habitual wrong fix, ``error_rate`` of
+        the others take a detour (ls, the wrong file, a miscopied edit, a test
+        run) or fail (a wrong fix, giving up). Synthetic problems only."""
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
         if self.instances is not None:
@@ -149,9 +166,11 @@ class SweTask:
         env = self.make_env("train", index)
         env.workspace.create()
         transcript = Transcript(env.first_messages())
+        habit = rng.random() < self.habit_rate and bug.family in self.habit_families
         try:
             fixed = False
-            for action in _demo_actions(bug, rng, self.error_rate):
+            actions = _habit_actions(bug) if habit else _demo_actions(bug, rng, self.error_rate)
+            for action in actions:
                 if action == "submit":
                     transcript.record(action, None)
                     break
@@ -187,12 +206,19 @@ def _demo_actions(bug: SyntheticBug, rng: random.Random, error_rate: float) -> l
         return [read, f"edit {path} {bug.line} {bug.line}\n    return {bug.new}", "submit"]
     if flaw == "test":
         return [read, fix, "test", "submit"]
-    wrong = f"replace {path} {bug.old} => {bug.wrong_new}"
     if flaw == "wrong_fix":
-        return [read, wrong, "submit"]
+        return _habit_actions(bug)
     if flaw == "wrong_fix_test" and bug.wrong_new != bug.old:
+        wrong = f"replace {path} {bug.old} => {bug.wrong_new}"
         return [read, wrong, "test", f"replace {path} {bug.wrong_new} => {bug.new}", "submit"]
     return [read, "submit"]
+
+
+def _habit_actions(bug: SyntheticBug) -> list[str]:
+    """Read, replace the bug by another bug (``bug.wrong_new``), submit: a
+    wrong fix that looks like a fix (the ``wrong_fix`` flaw and the habit)."""
+    path = bug.module
+    return [f"read {path}", f"replace {path} {bug.old} => {bug.wrong_new}", "submit"]
 
 
 def _predicted_tests(bug: SyntheticBug, fixed: bool) -> str:
