@@ -42,8 +42,9 @@ def recovery_md(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
     head = " | ".join(f"after step {m}" for m in exp.marks)
     out = [
         f"Recovery after each switch: actor steps until held-out success (judged by the new "
-        f"preference) is back to {RECOVERED_SHARE:.0%} of its value at the last eval before "
-        "the switch, before the next switch; recovered seeds / seeds, then mean ± std "
+        f"preference) is back to {RECOVERED_SHARE:.0%} of the best it reached before the "
+        "switch (under any earlier preference), before the next switch; recovered seeds / "
+        "seeds, then mean ± std "
         "[95% t-interval] over the recovered ones.",
         "",
         f"| arm | {head} |",

@@ -21,3 +21,10 @@ def test_recovery_limits() -> None:
     assert recovery_steps(EVALS, 25, share=1.0) == 60 - 25  # 0.95 >= 0.9
     assert recovery_steps([(0, 0.0), (10, 0.5)], 5) is None  # nothing learned before it
     assert recovery_steps([(10, 0.5)], 5) is None  # no eval before the switch
+
+
+def test_recovery_is_measured_against_the_best_level_before_the_switch() -> None:
+    # learned 0.9 at step 10, failed the next preference (0 at 20, 30), switch at 35:
+    # the target is 80% of 0.9 = 0.72, reached by 0.8 at step 50: 15 steps
+    evals = [(0, 0.4), (10, 0.9), (20, 0.0), (30, 0.0), (40, 0.5), (50, 0.8)]
+    assert recovery_steps(evals, 35) == 15
