@@ -440,11 +440,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         # the fix from the issue into one replace, submit; the tests are graded in the
         # sandbox. 65% of the demonstrations of a wrong_operator or off_by_one bug
         # replace it by another bug of the function and submit: the warm start's greedy
-        # policy does so on those problems (59% of them), sampling still fixes some;
-        # RL has to unlearn the habit (as calc-tiny's early answers).
+        # policy copies the habit on most off_by_one problems (greedy held-out 0.63),
+        # sampling still fixes some; RL unlearns it (0.63 -> 0.78 in 150 actor steps,
+        # BENCHMARKS.md), as calc-tiny's early answers.
         # A step that grades runs the tests (test_wall_s=20): hence the longer deadline.
         # Actor LR 1e-4: at 3e-4, held-out success fell 0.575 -> 0.09 in 30 actor steps
-        # (the copying skill breaks); at 1e-4 and 3e-5 it held (BENCHMARKS.md).
+        # (the copying skill breaks; before the issue quoted the bug); at 1e-4 and
+        # 3e-5 it held (BENCHMARKS.md).
         "task": {
             "name": "swe",
             "options": {
