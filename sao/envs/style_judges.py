@@ -75,14 +75,21 @@ class Verdict:
     reason: str
 
 
+def _tag_counts(text: str) -> tuple[str | None, dict[str, int]]:
+    """The known ``[style]`` tag (or None) and the marker words per style in the
+    body after it (in the whole text when there is no known tag)."""
+    m = _TAG.match(text)
+    tag = m.group(1).lower() if m is not None and m.group(1).lower() in STYLES else None
+    body = m.group(2) if m is not None and tag is not None else text
+    words = _WORD.findall(body.lower())
+    return tag, {s: sum(w in MARKERS[s] for w in words) for s in STYLES}
+
+
 def detect_style(text: str) -> str | None:
     """The declared ``[style]`` tag if the body uses more of its markers than of any other."""
-    m = _TAG.match(text)
-    if m is None or m.group(1).lower() not in STYLES:
+    tag, counts = _tag_counts(text)
+    if tag is None:
         return None
-    tag = m.group(1).lower()
-    words = _WORD.findall(m.group(2).lower())
-    counts = {s: sum(w in MARKERS[s] for w in words) for s in STYLES}
     best_other = max(c for s, c in counts.items() if s != tag)
     return tag if counts[tag] >= 1 and counts[tag] > best_other else None
 
@@ -93,11 +100,8 @@ def style_votes(text: str) -> dict[str, int]:
     Marker words are counted in the body after a known tag, or in the whole
     text when it has none (then there is no tag vote).
     """
-    m = _TAG.match(text)
-    tag = m.group(1).lower() if m is not None and m.group(1).lower() in STYLES else None
-    body = m.group(2) if m is not None and tag is not None else text
-    words = _WORD.findall(body.lower())
-    return {s: int(s == tag) + sum(w in MARKERS[s] for w in words) for s in STYLES}
+    tag, counts = _tag_counts(text)
+    return {s: counts[s] + int(s == tag) for s in STYLES}
 
 
 def style_share(text: str, style: str) -> float:

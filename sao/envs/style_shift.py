@@ -316,14 +316,7 @@ class StyleShiftTask:
         if judge == "builtin":
             self.judge = BuiltinJudge(min_words, max_words, max_chars)
         elif judge == "openai":
-            _check(
-                judge_base_url.startswith(("http://", "https://")),
-                "judge_base_url",
-                "give the endpoint, e.g. http://127.0.0.1:8000/v1",
-            )
-            _check(bool(judge_model), "judge_model", "name the judge model")
-            _check(judge_timeout_s > 0, "judge_timeout_s", "use a positive number of seconds")
-            self.judge = OpenAIJudge(
+            self.judge = _openai_judge(
                 judge_base_url, judge_model, judge_api_key_env, judge_timeout_s
             )
         else:
@@ -422,6 +415,18 @@ class StyleShiftTask:
         if flaw == "mismatch":
             return f"[{rng.choice([s for s in STYLES if s != style])}] {body}"
         return body
+
+
+def _openai_judge(base_url: str, model: str, api_key_env: str, timeout_s: float) -> OpenAIJudge:
+    """The LLM judge from the task's ``judge_*`` options, checked."""
+    _check(
+        base_url.startswith(("http://", "https://")),
+        "judge_base_url",
+        "give the endpoint, e.g. http://127.0.0.1:8000/v1",
+    )
+    _check(bool(model), "judge_model", "name the judge model")
+    _check(timeout_s > 0, "judge_timeout_s", "use a positive number of seconds")
+    return OpenAIJudge(base_url, model, api_key_env, timeout_s)
 
 
 def _check(ok: bool, option: str, fix: str) -> None:
