@@ -10,10 +10,15 @@ request at once with its tokens so far, all sampled by the old weights; the
 client waits for the resume and submits the request again with those tokens
 appended to its prompt, so its later tokens are sampled by the new weights.
 Each request is thus sampled by one version, the one in force when it was
-submitted, and the client tags its tokens with that version. Worst case, per
-update, every in-flight request is prefilled once more (the prefix cache is
-reset because its keys belong to the old weights); a stop string that
-straddles the boundary is missed (stop token ids are not affected).
+submitted, and the client tags its tokens with that version. One race is left:
+a request still in transit when the pause reaches the server is queued there,
+not aborted, and runs after the resume with the new weights; its answer looks
+the same as one that finished just before the pause. So an answer that was not
+aborted but overlapped a pause whose resume was already sent is sampled again
+(``redrawn``): its version cannot be told. Worst case, per update, every
+in-flight request is prefilled once more (the prefix cache is reset because
+its keys belong to the old weights); a stop string that straddles the
+boundary is missed (stop token ids are not affected).
 
 Failures: a server that cannot be reached, answers 5xx or exceeds
 ``request_timeout_s`` raises :class:`EngineError` (the router then moves the
@@ -112,7 +117,9 @@ class _HttpEngine:
         self._unpaused = asyncio.Event()
         self._unpaused.set()
         self._epoch = 0  # bumped by every pause this client causes
-        self.resubmitted = 0
+        self._resumed = 0  # the epoch of the newest pause whose resume was sent
+        self.resubmitted = 0  # requests sent again after a pause aborted them
+        self.redrawn = 0  # answers sampled again because their version is unknown
         self.last_update_s = 0.0
 
     # ------------------------------------------------------------------ protocol
@@ -138,6 +145,9 @@ class _HttpEngine:
             seed = None if sampling.seed is None else sampling.seed + 7919 * len(tokens)
             params = replace(sampling, max_new_tokens=left, seed=seed)
             part = await self._complete(prompt + tokens, params)
+            if part.versions is None and part.finish != "abort" and self._resumed > epoch:
+                self.redrawn += 1  # finished before the pause, or queued and run after it
+                continue
             tokens += part.token_ids
             logps += part.logprobs
             versions += part.versions or [version] * len(part.token_ids)
@@ -215,6 +225,7 @@ class _HttpEngine:
             await load
             self._version = version
         finally:
+            self._resumed = self._epoch
             with contextlib.suppress(EngineError):
                 await self._resume()
             self._unpaused.set()
