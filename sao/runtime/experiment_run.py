@@ -4,8 +4,9 @@
 Resumable: a run whose ``summary.json`` exists is kept, a run directory with a
 complete checkpoint is continued with ``sao train --resume RUN_DIR``, any other
 is started afresh (a directory left by an attempt that stopped before its first
-checkpoint is removed first). Each attempt's exit status and wall-clock seconds
-are appended to ``RUN_DIR/experiment_attempts.jsonl``; its output goes to
+checkpoint is removed first). Each attempt's exit status, wall-clock seconds and
+code version (:func:`code_version`) are appended to
+``RUN_DIR/experiment_attempts.jsonl``; its output goes to
 ``DIR/logs/ARM/seed-S.log``. Tiny warm-started policies the runs need are built
 first, one process per policy, so that two runs never build the same one.
 """
@@ -161,15 +162,41 @@ def _stop(procs: Sequence[subprocess.Popen[bytes]]) -> None:
             time.sleep(0.2)
 
 
-def _attempt_recorder(run: Run, how: Status) -> Callable[[int, float], str]:
+def code_version() -> str:
+    """``sao X.Y.Z``, and when the imported package sits in a git checkout (the
+    runs import the same one) ``+ git COMMIT``, ``-dirty`` if it has uncommitted
+    changes: a run whose attempts ran different code says so in the report."""
+    import sao
+
+    version = f"sao {sao.__version__}"
+    package = Path(sao.__file__).resolve().parent
+
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(
+                ["git", *args], cwd=package, capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    top = git("rev-parse", "--show-toplevel")
+    if top is None or (Path(top) / "sao").resolve() != package:
+        return version
+    commit = git("describe", "--always", "--dirty", "--abbrev=12")
+    return f"{version} + git {commit}" if commit else version
+
+
+def _attempt_recorder(run: Run, how: Status, code: str) -> Callable[[int, float], str]:
     """Appends the attempt to ``RUN_DIR/experiment_attempts.jsonl`` (the report's
     wall time sums them) and returns the run's held-out success for the log line."""
 
     def done(rc: int, seconds: float) -> str:
         if not run.run_dir.is_dir():
             return ""
+        line = {"how": how, "rc": rc, "wall_s": round(seconds, 1), "code": code}
         with (run.run_dir / "experiment_attempts.jsonl").open("a") as f:
-            f.write(json.dumps({"how": how, "rc": rc, "wall_s": round(seconds, 1)}) + "\n")
+            f.write(json.dumps(line) + "\n")
         summary = run.run_dir / "summary.json"
         if rc != 0 or not summary.is_file():
             return ""
@@ -208,11 +235,13 @@ def run_experiment(
         if bad:  # each run then builds (or fails on) its own; its log says why
             echo(f"building a warm-started policy failed; see {logs}/warm-start-*.log")
     pending: list[_Job] = []
+    code = code_version()
     for run, how in todo:
         if how == "fresh" and run.run_dir.exists():
             shutil.rmtree(run.run_dir)  # an attempt that stopped before its first checkpoint
         label = f"{run.label} ({'resumed' if how == 'resume' else 'started'})"
-        pending.append(_Job(label, command(exp, run, how), run.log, _attempt_recorder(run, how)))
+        done = _attempt_recorder(run, how, code)
+        pending.append(_Job(label, command(exp, run, how), run.log, done))
     kept = len(runs) - len(pending)
     echo(
         f"experiment {exp.name}: {len(runs)} runs, {kept} already finished, "

@@ -148,6 +148,8 @@ class RunResult:
     collapse_step: int | None
     wall_s: float
     curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    code: tuple[str, ...] = ()
+    """The code versions its attempts ran, in order, each once (older runs: none)."""
 
     @property
     def trajectories(self) -> int:
@@ -214,12 +216,10 @@ def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> Ru
         curves["critic/explained_variance"] = ev
     for key in sorted({k for r in history for k in r if k.startswith(STYLE_PREFIX)}):
         curves[key] = curve(key)
-    attempts = run_dir / "experiment_attempts.jsonl"
-    wall = (
-        sum(float(json.loads(x)["wall_s"]) for x in attempts.read_text().splitlines() if x)
-        if attempts.is_file()
-        else summary["wall_s"]
-    )
+    path = run_dir / "experiment_attempts.jsonl"
+    attempts = [json.loads(x) for x in path.read_text().splitlines() if x] if path.is_file() else []
+    wall = sum(float(a["wall_s"]) for a in attempts) if attempts else summary["wall_s"]
+    code = tuple(dict.fromkeys(str(a["code"]) for a in attempts if a.get("code")))
     return RunResult(
         arm=arm,
         seed=seed,
@@ -233,6 +233,7 @@ def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> Ru
         collapse_step=collapse_step(evals, until),
         wall_s=wall,
         curves=curves,
+        code=code,
     )
 
 
@@ -391,6 +392,7 @@ def results_md(
         + (f", then this directory's `--set` {code(overrides)}" if overrides else "")
         + ". Per run: [results.csv](results.csv); run directories under `runs/ARM/seed-S`.",
     ]
+    out += code_md(runs)
     if unfinished:
         names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
         out += ["", f"Unfinished runs, not included: {names}."]
@@ -398,6 +400,21 @@ def results_md(
     for p in plots:
         out += [f"![{p.stem}]({p.name})", ""]
     return "\n".join(out)
+
+
+def code_md(runs: Sequence[RunResult]) -> list[str]:
+    """The report's line on the code the runs ran ([] when none was recorded)."""
+    versions = list(dict.fromkeys(v for r in runs for v in r.code))
+    if not versions:
+        return []
+    if len(versions) == 1 and all(r.code for r in runs):
+        return ["", f"Code: every run ran `{versions[0]}`."]
+    which = [
+        f"`{v}` ({', '.join(f'{r.arm}/{r.seed}' for r in runs if v in r.code)})" for v in versions
+    ]
+    text = "**The runs did not all run the same code**: " + "; ".join(which)
+    unknown = [f"{r.arm}/{r.seed}" for r in runs if not r.code]
+    return ["", text + (f"; not recorded: {', '.join(unknown)}." if unknown else ".")]
 
 
 def aggregate(

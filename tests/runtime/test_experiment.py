@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,29 @@ from sao.runtime.experiment import (
     load_grid,
     plan,
 )
-from sao.runtime.report import Stats, collapse_step, t_critical, trailing_mean
+from sao.runtime.experiment_run import code_version
+from sao.runtime.report import RunResult, Stats, code_md, collapse_step, t_critical, trailing_mean
 
 # ---------------------------------------------------------------------- arithmetic
+
+
+def test_the_report_says_which_code_the_runs_ran() -> None:
+    def run(arm: str, seed: int, *code: str) -> RunResult:
+        return RunResult(arm, seed, 2, 4, 0, 0.1, 0.2, 0.2, 0.3, None, 1.0, code=code)
+
+    assert code_md([run("sao", 0)]) == []  # recorded by no run (made before it was)
+    same = code_md([run("sao", 0, "sao 0.1.0 + git abc"), run("grpo", 0, "sao 0.1.0 + git abc")])
+    assert same == ["", "Code: every run ran `sao 0.1.0 + git abc`."]
+    mixed = code_md(
+        [run("sao", 0, "A", "B-dirty"), run("sao", 1, "A"), run("grpo", 0)]
+    )  # sao seed 0 was resumed on other (uncommitted) code; grpo's attempts predate the record
+    assert mixed == [
+        "",
+        "**The runs did not all run the same code**: `A` (sao/0, sao/1); `B-dirty` (sao/0); "
+        "not recorded: grpo/0.",
+    ]
+    # this checkout is a git clone: the package version and its commit
+    assert re.fullmatch(r"sao \S+( \+ git [0-9a-f]{7,}(-dirty)?)?", code_version())
 
 
 def test_mean_std_and_95_interval_by_hand() -> None:
@@ -218,6 +239,7 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
             assert (runs / arm / f"seed-{seed}" / "summary.json").is_file()
     attempts = (runs / "grpo" / "seed-0" / "experiment_attempts.jsonl").read_text()
     assert [json.loads(x)["how"] for x in attempts.splitlines()] == ["fresh", "resume"]
+    assert {json.loads(x)["code"] for x in attempts.splitlines()} == {code_version()}
 
     rows = (out / "results.csv").read_text().splitlines()
     assert rows[0].startswith("arm,seed,actor_steps,trajectories_per_step,trajectories,")
@@ -230,6 +252,7 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
     md = (out / "results.md").read_text()
     assert "equal trajectories per actor step (4) and equal actor steps (2)" in md
     assert "| `sao` | 2 |" in md and "| `grpo` | 2 |" in md
+    assert f"Code: every run ran `{code_version()}`." in md
 
     def report() -> dict[str, bytes]:
         return {
