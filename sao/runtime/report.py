@@ -211,7 +211,11 @@ def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> Ru
 
     evals = curve("eval/success")
     rewards = curve("train/reward_mean")
-    curves = {"eval/success": evals, "train/reward_mean": trailing_mean(rewards, REWARD_WINDOW)}
+    curves = {
+        "eval/success": evals,
+        "train/reward_mean": trailing_mean(rewards, REWARD_WINDOW),
+        "train/reward": rewards,
+    }
     if ev := curve("critic/explained_variance"):
         curves["critic/explained_variance"] = ev
     for key in sorted({k for r in history for k in r if k.startswith(STYLE_PREFIX)}):

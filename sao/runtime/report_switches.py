@@ -1,8 +1,9 @@
 """The parts of an experiment report about preference switches (an
 experiment's ``marks``, e.g. ``online``): steps each arm needs to recover
-after each switch (:func:`~sao.runtime.recovery.recovery_steps`), and
-held-out success judged by every style against actor step, one panel per
-style, the phases shaded by the style preferred."""
+after each switch (:func:`~sao.runtime.recovery.recovery_steps`), its mean
+training reward in each phase, and held-out success judged by every style
+against actor step, one panel per style, the phases shaded by the style
+preferred."""
 
 from __future__ import annotations
 
@@ -17,7 +18,14 @@ if TYPE_CHECKING:
     from sao.runtime.experiment import Experiment
     from sao.runtime.report import RunResult
 
-__all__ = ["STYLE_PLOT", "STYLE_PREFIX", "recoveries", "recovery_md", "write_style_plot"]
+__all__ = [
+    "STYLE_PLOT",
+    "STYLE_PREFIX",
+    "phase_rewards",
+    "recoveries",
+    "recovery_md",
+    "write_style_plot",
+]
 
 STYLE_PREFIX = "eval/style_"
 """Held-out success as judged by one style (``style_shift`` reports them)."""
@@ -31,6 +39,17 @@ def recoveries(run: RunResult, marks: Sequence[int]) -> list[int | None]:
     evals = run.curves.get("eval/success", [])
     ends: list[int | None] = [*marks[1:], None]
     return [recovery_steps(evals, m, until=end) for m, end in zip(marks, ends, strict=True)]
+
+
+def phase_rewards(run: RunResult, marks: Sequence[int]) -> list[float | None]:
+    """The mean sampled training reward over each phase: actor steps ``0..m1``,
+    then ``m1+1..m2``, ..., after the last mark (None: no step in it)."""
+    rewards = run.curves.get("train/reward", [])
+    out: list[float | None] = []
+    for lo, hi in zip([-1, *marks], [*marks, None], strict=True):
+        got = [r for step, r in rewards if lo < step and (hi is None or step <= hi)]
+        out.append(sum(got) / len(got) if got else None)
+    return out
 
 
 def recovery_md(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
@@ -59,6 +78,24 @@ def recovery_md(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
         for steps in per_mark:
             got = [float(s) for s in steps if s is not None]
             cells.append(f"{len(got)}/{len(steps)}" + (f": {Stats.of(got).cell(1)}" if got else ""))
+        out.append(f"| `{arm}` | {' | '.join(cells)} |")
+    spans = [f"{a + 1}-{b}" for a, b in itertools.pairwise([-1, *exp.marks])]
+    spans[0] = f"0-{exp.marks[0]}"
+    spans.append(f"after {exp.marks[-1]}")
+    out += [
+        "",
+        "Training reward in each phase: the mean sampled reward over the phase's actor steps, "
+        "mean ± std [95% t-interval] over seeds.",
+        "",
+        "| arm | " + " | ".join(f"steps {s}" for s in spans) + " |",
+        "|---|" + "---|" * len(spans),
+    ]
+    for arm in exp.arms:
+        rs = [r for r in runs if r.arm == arm]
+        if not rs:
+            continue
+        per_phase = list(zip(*(phase_rewards(r, exp.marks) for r in rs), strict=True))
+        cells = [Stats.of([v for v in vs if v is not None]).cell() for vs in per_phase]
         out.append(f"| `{arm}` | {' | '.join(cells)} |")
     return [*out, ""]
 

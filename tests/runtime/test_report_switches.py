@@ -1,5 +1,6 @@
-"""The report's switch parts: recovery steps per arm and switch (worked by
-hand), the results.csv column, and the per-style plot."""
+"""The report's switch parts: recovery steps per arm and switch and the
+training reward per phase (worked by hand), the results.csv column, and the
+per-style plot."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ from pathlib import Path
 
 from sao.runtime.experiment import Experiment
 from sao.runtime.report import RunResult, results_csv
-from sao.runtime.report_switches import recoveries, recovery_md, write_style_plot
+from sao.runtime.report_switches import (
+    phase_rewards,
+    recoveries,
+    recovery_md,
+    write_style_plot,
+)
 
 EXP = Experiment(
     name="switch",
@@ -51,6 +57,25 @@ def test_recovery_table_and_csv_column() -> None:
     rows = results_csv([FAST0, FAST1], EXP.marks).splitlines()
     assert rows[0].endswith(",recovery_steps")
     assert rows[1].endswith(",10;10") and rows[2].endswith(",20;")
+
+
+def test_training_reward_per_phase() -> None:
+    # phases: steps 0..20, 21..40, after 40 (a warm-up step -1 counts in none)
+    rewards = [(-1, 9.0), (0, 0.2), (20, 0.8), (21, 0.0), (40, 0.3), (41, 0.6), (60, 0.4)]
+    a = RunResult(**{**FAST0.__dict__, "curves": {"train/reward": rewards}})
+    # (0.2 + 0.8) / 2 = 0.5; (0.0 + 0.3) / 2 = 0.15; (0.6 + 0.4) / 2 = 0.5
+    assert phase_rewards(a, EXP.marks) == [0.5, 0.15, 0.5]
+    b = RunResult(**{**a.__dict__, "seed": 1, "curves": {"train/reward": [(5, 0.7), (45, 0.1)]}})
+    assert phase_rewards(b, EXP.marks) == [0.7, None, 0.1]
+    md = "\n".join(recovery_md(EXP, [a, b]))
+    # steps 0-20: 0.5 and 0.7 -> mean 0.6, std 0.141421; 12.7062 * 0.141421 / sqrt(2)
+    # = 1.27062 -> [-0.671, 1.871]; 21-40: 0.15 alone; after 40: 0.5 and 0.1 -> 0.3 ± 0.283,
+    # half-width 12.7062 * 0.282843 / sqrt(2) = 2.54124 -> [-2.241, 2.841]
+    assert "| arm | steps 0-20 | steps 21-40 | steps after 40 |" in md
+    assert (
+        "| `fast` | 0.600 ± 0.141 [-0.671, 1.871] | 0.150 (one seed) "
+        "| 0.300 ± 0.283 [-2.241, 2.841] |" in md
+    )
 
 
 def test_style_plot_has_a_panel_per_reported_style(tmp_path: Path) -> None:
