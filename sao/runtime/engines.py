@@ -27,9 +27,10 @@ from sao.config import Config
 from sao.models.cache import sao_home
 from sao.rollout.collective import WeightGroup
 from sao.rollout.engine import Engine
-from sao.rollout.http_engine import ModelIdentity, SGLangEngine, VLLMEngine
+from sao.rollout.http_engine import ModelIdentity, VLLMEngine
 from sao.rollout.launch import free_port, launch_servers
 from sao.rollout.router import EngineRouter
+from sao.rollout.sglang_engine import SGLangEngine
 from sao.rollout.torch_engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
 from sao.rollout.weights import BroadcastWeights, TensorWeights, write_weights
 

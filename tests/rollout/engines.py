@@ -25,8 +25,9 @@ from aiohttp import web
 from transformers import PreTrainedModel
 
 from sao.rollout.collective import init_weight_group, receive_tensors
-from sao.rollout.http_engine import SGLangEngine, VLLMEngine
+from sao.rollout.http_engine import VLLMEngine
 from sao.rollout.server import EngineServer, _sampling
+from sao.rollout.sglang_engine import SGLangEngine
 from sao.rollout.torch_engine import TorchEngine
 from sao.rollout.weights import read_weights
 

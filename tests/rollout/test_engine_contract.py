@@ -143,9 +143,9 @@ def test_broadcast_weights_over_a_gloo_group(
     import sys
 
     from sao.rollout.collective import WeightGroup
-    from sao.rollout.http_engine import SGLangEngine
     from sao.rollout.launch import free_port
     from sao.rollout.router import EngineRouter
+    from sao.rollout.sglang_engine import SGLangEngine
     from sao.rollout.weights import BroadcastWeights
 
     old, new = build("llama", seed=0), build("llama", seed=1)
