@@ -10,7 +10,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from sao.config import PRESETS, Config, ConfigError, load_config, reference_markdown, validate
+from sao.config import PRESETS, Config, ConfigError, load_config, validate
+from sao.config_reference import reference_markdown
 
 
 def _load(args: argparse.Namespace) -> Config:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import difflib
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import fields as dc_fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -32,6 +31,7 @@ from pydantic import (
 
 from sao.algo.presets import AlgoPreset, Correction, Reduction, Truncation, get_preset
 from sao.config_sources import ConfigError, parse_override, read_file  # (also sao.config's API)
+from sao.run_presets import PRESETS  # (also sao.config's API)
 
 
 class _Section(BaseModel):
@@ -376,97 +376,6 @@ class Config(_Section):
     log: LogConfig = LogConfig()
 
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "calc-tiny": {
-        "task": {
-            "name": "calculator",
-            # 60% of the demonstrations call only the first of two operations and answer
-            # its result: the warm start's greedy policy does so on every two-operation
-            # problem, sampling still finishes some; RL has to unlearn the habit.
-            "options": {"min_ops": 1, "max_ops": 2, "ops_per_call": 2, "early_answer_rate": 0.6},
-        },
-        # Actor LR 1e-4: at 3e-4 SAO collapsed in 2 of 6 runs and GRPO in 3 of 3; at 1e-4
-        # every arm of table1 ended higher and only vanilla GRPO collapsed (1 of 3;
-        # docs/reproduction.md).
-        "train": {"steps": 100, "actor_lr": 1e-4},
-        "eval": {"episodes": 200},
-    },
-    "guess-tiny": {
-        # The least harmful setting measured (BENCHMARKS.md): at temperature 1 or
-        # actor LR 3e-4, RL lowered held-out success on this task.
-        "task": {"name": "guess_number"},
-        "rollout": {"max_turns": 7, "max_new_tokens": 12, "temperature": 0.7},
-        "train": {"steps": 100, "actor_lr": 1e-4},
-        "eval": {"episodes": 200},
-    },
-    "style-shift-tiny": {
-        # 8-30 words: the shortest demonstration texts fail the judge, so the warm
-        # start is imperfect under the first preferred style (cute). Actor LR 1e-4:
-        # at 3e-4 SAO collapsed before the first switch (docs/reproduction.md).
-        "task": {"name": "style_shift", "options": {"min_words": 8}},
-        "algo": {"preset": "sao"},
-        "train": {"steps": 400, "actor_lr": 1e-4},
-        "rollout": {"max_turns": 1, "max_new_tokens": 96},
-    },
-    "python-tiny": {
-        # The kinds a ~1M-parameter policy learns to copy within its warm start.
-        "task": {
-            "name": "python_tool",
-            "options": {"kinds": ["mul", "digitsum", "count", "reverse"]},
-        },
-        "rollout": {"max_new_tokens": 48},
-    },
-    "rgym-tiny": {
-        # One 3-digit term per question (restate the number): within reach of the
-        # tiny warm start, unlike multi-term expressions.
-        "task": {
-            "name": "reasoning_gym",
-            "options": {
-                "dataset": "basic_arithmetic",
-                "config": {
-                    "min_terms": 1,
-                    "max_terms": 1,
-                    "min_digits": 3,
-                    "max_digits": 3,
-                    "allow_parentheses": False,
-                    "allow_negation": False,
-                },
-            },
-        },
-        "rollout": {"max_turns": 1},
-    },
-    "swe-tiny": {
-        # Synthetic one-bug repositories: read the file, copy the buggy expression and
-        # the fix from the issue into one replace, submit; the tests are graded in the
-        # sandbox. 65% of the demonstrations of a wrong_operator or off_by_one bug
-        # replace it by another bug of the function and submit: the warm start's greedy
-        # policy copies the habit on most off_by_one problems (greedy held-out 0.63),
-        # sampling still fixes some; RL unlearns it (0.63 -> 0.78 in 150 actor steps,
-        # BENCHMARKS.md), as calc-tiny's early answers.
-        # A step that grades runs the tests (test_wall_s=20): hence the longer deadline.
-        # Actor LR 1e-4: at 3e-4, held-out success fell 0.575 -> 0.09 in 30 actor steps
-        # (the copying skill breaks; before the issue quoted the bug); at 1e-4 and
-        # 3e-5 it held (BENCHMARKS.md).
-        "task": {
-            "name": "swe",
-            "options": {
-                "max_turns": 6,
-                "habit_rate": 0.65,
-                "habit_families": ["wrong_operator", "off_by_one"],
-            },
-        },
-        "rollout": {
-            "max_turns": 6,
-            "max_new_tokens": 96,
-            "max_total_tokens": 768,
-            "step_timeout_s": 30.0,
-        },
-        "train": {"actor_lr": 1e-4},
-    },
-}
-"""Named starting points; ``calc-tiny`` is the default."""
-
-
 def _suggest(key: str, valid: Sequence[str]) -> str:
     close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     return f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(valid)}."
@@ -599,65 +508,3 @@ def validate(data: Mapping[str, Any]) -> Config:
 def to_dict(cfg: Config) -> dict[str, Any]:
     """The resolved config as plain data (written to the run directory)."""
     return cfg.model_dump(mode="json")
-
-
-def reference_markdown() -> str:
-    """The configuration reference (docs/configuration.md), generated from field docs."""
-    import inspect
-
-    from sao.algo.presets import PRESETS as ALGO_PRESETS
-    from sao.algo.presets import field_docs
-
-    def cell(text: str | None) -> str:
-        # One table cell: a single line, with literal pipes escaped.
-        return " ".join((text or "").split()).replace("|", "\\|")
-
-    def value(v: object) -> str:
-        return f"`{v!r}`".replace("|", "\\|")
-
-    out = [
-        "# Configuration reference",
-        "",
-        "Generated from `sao/config.py` by `sao config --reference`; do not edit.",
-        "",
-        "Settings are resolved in this order, later ones winning: a named preset",
-        f"(`--preset`, one of {', '.join(f'`{n}`' for n in PRESETS)}; default `calc-tiny`),",
-        "a TOML or YAML file (`--config`), then `--set key=value` overrides, e.g.",
-        "`sao train --set algo=grpo --set train.steps=100`. Unknown keys are errors.",
-        "`sao config` prints the resolved configuration.",
-        "",
-    ]
-    for name, field in Config.model_fields.items():
-        section = field.annotation
-        if not (isinstance(section, type) and issubclass(section, BaseModel)):
-            out += [f"- `{name}` (default {value(field.default)}): {cell(field.description)}", ""]
-            continue
-        out += [f"## `{name}`", "", inspect.cleandoc(section.__doc__ or ""), ""]
-        out += ["| key | default | meaning |", "|---|---|---|"]
-        for key, f in section.model_fields.items():
-            out.append(f"| `{name}.{key}` | {value(f.default)} | {cell(f.description)} |")
-        out.append("")
-    base = get_preset("sao")
-    docs = field_docs()
-    out += [
-        "## Algorithm preset fields",
-        "",
-        "What `algo.preset` selects. Fields with an `algo.*` key above can be overridden;",
-        "the value shown is the `sao` preset's.",
-        "",
-        "| field | `sao` value | meaning |",
-        "|---|---|---|",
-    ]
-    out += [
-        f"| `{f.name}` | {value(getattr(base, f.name))} | {cell(docs.get(f.name))} |"
-        for f in dc_fields(AlgoPreset)
-    ]
-    out += ["", "## Algorithm presets", "", "| preset | differs from `sao` in |", "|---|---|"]
-    for preset_name, preset in ALGO_PRESETS.items():
-        diff = [
-            f"`{f.name}={getattr(preset, f.name)!r}`".replace("|", "\\|")
-            for f in dc_fields(AlgoPreset)
-            if f.name != "name" and getattr(preset, f.name) != getattr(base, f.name)
-        ]
-        out.append(f"| `{preset_name}` | {', '.join(diff) or '(the reference)'} |")
-    return "\n".join(out) + "\n"

@@ -1,0 +1,99 @@
+"""The named starting points of ``sao train --preset``: config overrides per
+built-in task, each with the reason for its values. ``calc-tiny`` is the
+default. Resolved by :func:`sao.config.load_config`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["PRESETS"]
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "calc-tiny": {
+        "task": {
+            "name": "calculator",
+            # 60% of the demonstrations call only the first of two operations and answer
+            # its result: the warm start's greedy policy does so on every two-operation
+            # problem, sampling still finishes some; RL has to unlearn the habit.
+            "options": {"min_ops": 1, "max_ops": 2, "ops_per_call": 2, "early_answer_rate": 0.6},
+        },
+        # Actor LR 1e-4: at 3e-4 SAO collapsed in 2 of 6 runs and GRPO in 3 of 3; at 1e-4
+        # every arm of table1 ended higher and only vanilla GRPO collapsed (1 of 3;
+        # docs/reproduction.md).
+        "train": {"steps": 100, "actor_lr": 1e-4},
+        "eval": {"episodes": 200},
+    },
+    "guess-tiny": {
+        # The least harmful setting measured (BENCHMARKS.md): at temperature 1 or
+        # actor LR 3e-4, RL lowered held-out success on this task.
+        "task": {"name": "guess_number"},
+        "rollout": {"max_turns": 7, "max_new_tokens": 12, "temperature": 0.7},
+        "train": {"steps": 100, "actor_lr": 1e-4},
+        "eval": {"episodes": 200},
+    },
+    "style-shift-tiny": {
+        # 8-30 words: the shortest demonstration texts fail the judge, so the warm
+        # start is imperfect under the first preferred style (cute). Actor LR 1e-4:
+        # at 3e-4 SAO collapsed before the first switch (docs/reproduction.md).
+        "task": {"name": "style_shift", "options": {"min_words": 8}},
+        "algo": {"preset": "sao"},
+        "train": {"steps": 400, "actor_lr": 1e-4},
+        "rollout": {"max_turns": 1, "max_new_tokens": 96},
+    },
+    "python-tiny": {
+        # The kinds a ~1M-parameter policy learns to copy within its warm start.
+        "task": {
+            "name": "python_tool",
+            "options": {"kinds": ["mul", "digitsum", "count", "reverse"]},
+        },
+        "rollout": {"max_new_tokens": 48},
+    },
+    "rgym-tiny": {
+        # One 3-digit term per question (restate the number): within reach of the
+        # tiny warm start, unlike multi-term expressions.
+        "task": {
+            "name": "reasoning_gym",
+            "options": {
+                "dataset": "basic_arithmetic",
+                "config": {
+                    "min_terms": 1,
+                    "max_terms": 1,
+                    "min_digits": 3,
+                    "max_digits": 3,
+                    "allow_parentheses": False,
+                    "allow_negation": False,
+                },
+            },
+        },
+        "rollout": {"max_turns": 1},
+    },
+    "swe-tiny": {
+        # Synthetic one-bug repositories: read the file, copy the buggy expression and
+        # the fix from the issue into one replace, submit; the tests are graded in the
+        # sandbox. 65% of the demonstrations of a wrong_operator or off_by_one bug
+        # replace it by another bug of the function and submit: the warm start's greedy
+        # policy copies the habit on most off_by_one problems (greedy held-out 0.63),
+        # sampling still fixes some; RL unlearns it (0.63 -> 0.78 in 150 actor steps,
+        # BENCHMARKS.md), as calc-tiny's early answers.
+        # A step that grades runs the tests (test_wall_s=20): hence the longer deadline.
+        # Actor LR 1e-4: at 3e-4, held-out success fell 0.575 -> 0.09 in 30 actor steps
+        # (the copying skill breaks; before the issue quoted the bug); at 1e-4 and
+        # 3e-5 it held (BENCHMARKS.md).
+        "task": {
+            "name": "swe",
+            "options": {
+                "max_turns": 6,
+                "habit_rate": 0.65,
+                "habit_families": ["wrong_operator", "off_by_one"],
+            },
+        },
+        "rollout": {
+            "max_turns": 6,
+            "max_new_tokens": 96,
+            "max_total_tokens": 768,
+            "step_timeout_s": 30.0,
+        },
+        "train": {"actor_lr": 1e-4},
+    },
+}
+"""Named starting points; ``calc-tiny`` is the default."""
