@@ -105,9 +105,7 @@ class SGLangEngine(_HttpEngine):
             "group_name": group.group_name,
             "backend": group.backend,
         }
-        data = await self._ok("POST", "/init_weights_update_group", body)
-        if isinstance(data, dict) and data.get("success") is False:
-            raise EngineSetupError(f"sglang server {self.url} could not join: {data}")
+        await self._checked("/init_weights_update_group", body, EngineSetupError, "could not join")
 
     async def _receive(self, source: BroadcastWeights) -> None:
         info = describe(source.state_dict)
@@ -119,9 +117,18 @@ class SGLangEngine(_HttpEngine):
             "weight_version": str(source.version),
             "flush_cache": True,
         }
-        data = await self._ok("POST", "/update_weights_from_distributed", body)
+        await self._checked(
+            "/update_weights_from_distributed", body, EngineError, "failed to receive weights"
+        )
+
+    async def _checked(
+        self, route: str, body: dict[str, Any], error: type[Exception], what: str
+    ) -> None:
+        """POST ``body`` to ``route``; an answer with ``success: false`` raises
+        ``error`` ("sglang server URL WHAT: ANSWER")."""
+        data = await self._ok("POST", route, body)
         if isinstance(data, dict) and data.get("success") is False:
-            raise EngineError(f"sglang server {self.url} failed to receive weights: {data}")
+            raise error(f"sglang server {self.url} {what}: {data}")
 
     async def _pause(self) -> None:
         await self._ok("POST", "/pause_generation", {"mode": "abort"})
@@ -132,9 +139,9 @@ class SGLangEngine(_HttpEngine):
             "weight_version": str(source.version),
             "abort_all_requests": True,
         }
-        data = await self._ok("POST", "/update_weights_from_disk", body)
-        if isinstance(data, dict) and data.get("success") is False:
-            raise EngineError(f"sglang server {self.url} failed to load {source.path}: {data}")
+        await self._checked(
+            "/update_weights_from_disk", body, EngineError, f"failed to load {source.path}"
+        )
 
     async def _resume(self) -> None:
         await self._ok("POST", "/continue_generation", {})
