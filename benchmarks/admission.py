@@ -27,8 +27,8 @@ from pathlib import Path
 
 from _bench import QUIET
 
+from sao.app.run import train
 from sao.config import load_config
-from sao.runtime.run import train
 
 TASKS = {
     "calc": [],

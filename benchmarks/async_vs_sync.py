@@ -22,8 +22,8 @@ from pathlib import Path
 
 from _bench import QUIET
 
+from sao.app.run import train
 from sao.config import load_config
-from sao.runtime.run import train
 
 
 def run(name: str, overrides: list[str], out: Path) -> dict[str, float]:

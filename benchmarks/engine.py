@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from sao.rollout.torch_engine import TorchEngine
+from sao.rollout.embedded.engine import TorchEngine
 from sao.types import SamplingParams
 
 VOCAB = 100

@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 from benchmarks.engine import VOCAB, tiny_llama
+from sao.app.engines import VLLM_CPU_PYTHON
 from sao.models.cache import sao_home
 from sao.models.tokenization import build_char_tokenizer
-from sao.rollout.http_engine import VLLMEngine
-from sao.rollout.launch import launch_servers
-from sao.rollout.torch_engine import TorchEngine
+from sao.rollout.embedded.engine import TorchEngine
+from sao.rollout.remote.http_engine import VLLMEngine
+from sao.rollout.remote.launch import launch_servers
 from sao.rollout.weights import TensorWeights, write_weights
-from sao.runtime.engines import VLLM_CPU_PYTHON
 from sao.types import Completion, SamplingParams
 
 

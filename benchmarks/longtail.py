@@ -39,11 +39,11 @@ from typing import Any
 from _bench import QUIET
 from longtail_model import Trace, project
 
+from sao.app.parts import policy_path
+from sao.app.run import train
 from sao.config import load_config
 from sao.envs.base import Env, Observation, Split, StepResult, Task
 from sao.envs.registry import make_task
-from sao.runtime.parts import policy_path
-from sao.runtime.run import train
 
 BUSY = "error: busy, call again"
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from benchmarks.engine import VOCAB, tiny_llama
-from sao.rollout.torch_engine import TorchEngine
+from sao.rollout.embedded.engine import TorchEngine
 from sao.types import SamplingParams
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sao.config import PRESETS, Config, ConfigError, load_config, validate
-from sao.config_reference import reference_markdown
+from sao.config.reference import reference_markdown
 
 
 def _load(args: argparse.Namespace) -> Config:
@@ -32,8 +32,8 @@ def _known_task(cfg: Config) -> Config:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from sao.runtime.checkpoint import saved_config
-    from sao.runtime.run import train
+    from sao.app.run import train
+    from sao.rundir.checkpoint import saved_config
 
     if args.resume:
         if args.preset or args.config:
@@ -57,7 +57,7 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import yaml
 
-    from sao.runtime.warmstart import held_out_success
+    from sao.app.warmstart import held_out_success
 
     target = Path(args.target)
     if (target / "final").is_dir():  # a run directory
@@ -84,10 +84,10 @@ def _eval(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     import tempfile
 
+    from sao.app.engines import open_rollout_engine
+    from sao.app.parts import build_parts, policy_path
     from sao.envs.base import Task
     from sao.rollout.check import check_logprobs
-    from sao.runtime.engines import open_rollout_engine
-    from sao.runtime.parts import build_parts, policy_path
 
     cfg = _load(args)
     p = build_parts(cfg)
@@ -121,7 +121,7 @@ TINY_PRESETS = {
 def _models_make(args: argparse.Namespace) -> int:
     import time
 
-    from sao.runtime.warmstart import ensure_policy, held_out_success
+    from sao.app.warmstart import ensure_policy, held_out_success
 
     preset = args.preset or TINY_PRESETS.get(args.env)
     cfg = _known_task(load_config(preset, None, [f"task.name={args.env}", *args.set]))
@@ -153,7 +153,7 @@ def _models_make(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from sao.rollout.server import serve
+    from sao.rollout.remote.server import serve
 
     serve(
         args.model,
@@ -185,13 +185,13 @@ def _config(args: argparse.Namespace) -> int:
 
 
 def _experiment(args: argparse.Namespace) -> int:
-    from sao.runtime import experiment as ex
+    from sao.experiments import grid as ex
 
     if args.list:
         print("\n\n".join(ex.describe(e) for e in ex.EXPERIMENTS.values()))
         return 0
     if args.report:
-        from sao.runtime.report import write_report
+        from sao.experiments.report import write_report
 
         ex.load_meta(Path(args.report))
         for path in write_report(Path(args.report)):
@@ -201,7 +201,7 @@ def _experiment(args: argparse.Namespace) -> int:
         raise ConfigError("give an experiment name or --file GRID.toml (see --list)")
     exp = ex.load_grid(args.file) if args.file else ex.get_experiment(args.name)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
-    from sao.runtime.experiment_run import run_experiment
+    from sao.experiments.runner import run_experiment
 
     failed = run_experiment(
         exp,
@@ -321,16 +321,16 @@ def _user_errors() -> tuple[type[Exception], ...]:
     """Mistakes the user can fix: config, model directory, missing files. (Imported
     lazily so that ``sao config`` does not load transformers.)"""
     from sao.models.loading import ModelLoadError
-    from sao.rollout.http_engine import EngineSetupError
+    from sao.rollout.remote.http_engine import EngineSetupError
 
     return (ConfigError, ModelLoadError, FileNotFoundError, EngineSetupError)
 
 
 def _stopped_errors() -> tuple[type[Exception], ...]:
     """A run that stopped itself with an explanation (e.g. diverged to NaN)."""
-    from sao.rollout.router import NoLiveEngineError
+    from sao.distributed.trainer import TrainerRankError
+    from sao.rollout.remote.router import NoLiveEngineError
     from sao.runtime.orchestrator import RunStopped
-    from sao.runtime.ray_trainer import TrainerRankError
     from sao.train.trainer import NonFiniteError
 
     return (NonFiniteError, NoLiveEngineError, TrainerRankError, RunStopped)

@@ -3,7 +3,7 @@ policy, a few steps, a checkpoint every two) is killed with SIGKILL at random
 points, each aimed at one phase in turn (start-up, a training step, a
 checkpoint write, an evaluation, the final export), and resumed with
 ``sao train --resume`` each time until it finishes. Then, from the run's
-ledger (``log.ledger``, see :mod:`sao.runtime.ledger`) and its logs, it checks
+ledger (``log.ledger``, see :mod:`sao.rundir.ledger`) and its logs, it checks
 that no trajectory was trained twice and none that finished before a
 checkpoint was lost, that every step was logged once with its wall-clock
 time and counters continuing, and that the run finished whole.
@@ -14,7 +14,7 @@ Prints one line per attempt, then the result; exits 1 when an invariant broke.
 Each attempt is a process forked from a server that has imported sao once
 (``--start-method spawn``: a fresh interpreter each time, slower). The phase
 an attempt is in is only observed from outside: the attempt marks it in a
-file by wrapping ``sao.runtime.run``'s eval, checkpoint and finish functions.
+file by wrapping ``sao.app.run``'s eval, checkpoint and finish functions.
 """
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def chaos(
     policy = _policy(work / "policy")
     ctx: Any = mp.get_context(start_method)
     if start_method == "forkserver":
-        ctx.set_forkserver_preload(["sao.cli", "sao.runtime.run"])
+        ctx.set_forkserver_preload(["sao.cli", "sao.app.run"])
     out = ChaosResult()
     startup_s = 0.6  # refined from the attempts seen
     while time.monotonic() - t0 < timeout_s:
@@ -230,7 +230,7 @@ def _child(argv: list[str], log: str, phase_file: str) -> None:
 
 def _mark_phases(path: Path) -> None:
     """Wrap the run's phases so that each writes its name into ``path``."""
-    import sao.runtime.run as run
+    import sao.app.run as run
     from sao.runtime.orchestrator import Orchestrator
 
     def wrap(fn: Any, phase: str, after: str | None) -> Any:
@@ -266,8 +266,8 @@ def _policy(path: Path) -> Path:
 
 def check_run(run_dir: Path, out: ChaosResult) -> list[str]:
     """The invariants of a finished run directory (fills ``out.steps``, ``out.trained``)."""
-    from sao.runtime.ledger import LEDGER, check_ledger
-    from sao.runtime.logging import read_jsonl
+    from sao.rundir.ledger import LEDGER, check_ledger
+    from sao.rundir.metrics import read_jsonl
 
     problems = []
     for name in ("summary.json", "final/config.json"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-import sao.runtime.run
+import sao.app.run
 from sao.cli import main
 from sao.config import Config, load_config, to_dict
 
@@ -130,7 +130,7 @@ def test_resume_applies_set_overrides(
         (run / "summary.json").write_text(json.dumps(summary))
         return run
 
-    monkeypatch.setattr(sao.runtime.run, "train", fake_train)
+    monkeypatch.setattr(sao.app.run, "train", fake_train)
     assert main(["train", "--resume", str(run), "--set", "train.steps=9"]) == 0
     ((cfg, resume),) = seen
     assert resume == run and cfg.train.steps == 9
@@ -159,7 +159,7 @@ def test_a_diverged_run_stops_with_one_line(
     def diverge(cfg: Config, *, resume: Path | None = None) -> Path:
         raise NonFiniteError("3 consecutive steps had a NaN/inf loss or gradient; stopping")
 
-    monkeypatch.setattr(sao.runtime.run, "train", diverge)
+    monkeypatch.setattr(sao.app.run, "train", diverge)
     assert main(["train", *QUIET]) == 1
     err = capsys.readouterr().err
     assert err.startswith("sao: stopped: 3 consecutive steps") and "Traceback" not in err
@@ -169,7 +169,7 @@ def test_real_bugs_are_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
     def bug(cfg: Config, *, resume: Path | None = None) -> Path:
         raise ValueError("an internal bug")
 
-    monkeypatch.setattr(sao.runtime.run, "train", bug)
+    monkeypatch.setattr(sao.app.run, "train", bug)
     with pytest.raises(ValueError, match="internal bug"):
         main(["train", *QUIET])
 

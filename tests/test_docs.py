@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from sao.config_reference import reference_markdown
+from sao.config.reference import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -38,7 +38,7 @@ from transformers import PreTrainedTokenizerBase
 from sao.agents.export import Call
 from sao.rollout.chat import decode_reply, encode_next_observation
 from sao.rollout.engine import Engine, episode_key
-from sao.rollout.launch import free_port
+from sao.rollout.remote.launch import free_port
 from sao.types import Message, SamplingParams
 
 __all__ = ["AgentEndpoint", "EpisodeCalls", "parse_tool_calls"]

@@ -1,11 +1,13 @@
-"""Rollout: the ``Engine`` protocol, the embedded ``TorchEngine``, the
-multi-turn agent loop (:func:`run_episode`) and the engine-vs-trainer
-log-probability check (:func:`check_logprobs`)."""
+"""Rollout: the ``Engine`` protocol and the multi-turn agent loop
+(:func:`run_episode`: chat templates, the TITO check, env calls, resume) and
+the engine-vs-trainer log-probability check. ``embedded/`` holds the
+in-process engine, ``remote/`` the HTTP engines and servers. It imports only
+types, models and the env protocol."""
 
 from sao.rollout.agent import EpisodeLimits, run_episode
 from sao.rollout.check import LogprobReport, check_logprobs
+from sao.rollout.embedded.engine import TorchEngine
 from sao.rollout.engine import Engine
-from sao.rollout.torch_engine import TorchEngine
 
 __all__ = [
     "Engine",

@@ -11,7 +11,7 @@ token sampled afterwards with that version.
   reloads from.
 - :class:`BroadcastWeights`: tensors broadcast by the trainer over a
   weight-transfer process group the servers joined
-  (:class:`~sao.rollout.collective.WeightGroup`: NCCL on GPU, gloo on CPU),
+  (:class:`~sao.rollout.remote.collective.WeightGroup`: NCCL on GPU, gloo on CPU),
   for ``sao serve`` and SGLang; no filesystem involved.
 
 The directory layout of :func:`write_weights` is ``ROOT/v00000012/`` holding
@@ -66,7 +66,7 @@ class DiskWeights:
 @dataclass(frozen=True)
 class BroadcastWeights:
     """Tensors the trainer broadcasts over ``group`` (a joined
-    :class:`~sao.rollout.collective.WeightGroup`) as version ``version``.
+    :class:`~sao.rollout.remote.collective.WeightGroup`) as version ``version``.
     ``send``: this process is the trainer's end and sends while the engines
     receive; False when another process sends (a Ray trainer rank): then
     ``state_dict`` only describes the tensors (names, dtypes, shapes; meta

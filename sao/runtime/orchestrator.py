@@ -23,8 +23,8 @@ from typing import TypeVar
 
 from sao.rollout.envcall import describe_error, stalls
 from sao.rollout.progress import progress
+from sao.rollout.remote.router import NoLiveEngineError
 from sao.rollout.resume import EpisodeResume
-from sao.rollout.router import NoLiveEngineError
 from sao.runtime.admission import JustInTime
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.runner import EpisodeRunner, Played, samples

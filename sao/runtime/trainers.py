@@ -1,5 +1,5 @@
 """Where the trainer runs: in this process (:class:`LocalTrainer`) or as a
-group of Ray actors (:class:`~sao.runtime.ray_trainer.RayTrainerGroup`).
+group of Ray actors (:class:`~sao.distributed.trainer.RayTrainerGroup`).
 ``sao train`` talks to either through the same few calls, so the run loop
 has no backend branches: train a batch, hand out the weights, score
 trajectories for the log-probability check, write the models into a
@@ -16,7 +16,7 @@ from sao.rollout.check import LogprobReport, score_trajectories
 from sao.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
-    from sao.runtime.parts import Parts
+    from sao.app.parts import Parts
 
 __all__ = ["LocalTrainer", "TrainerHandle"]
 
@@ -49,7 +49,7 @@ class TrainerHandle(Protocol):
 
 
 class LocalTrainer:
-    """The trainer of :class:`~sao.runtime.parts.Parts`, in this process."""
+    """The trainer of :class:`~sao.app.parts.Parts`, in this process."""
 
     def __init__(self, parts: Parts) -> None:
         assert parts.trainer is not None, "a local trainer needs the parts' trainer"

@@ -10,7 +10,7 @@ start takes minutes): its embedding is scaled by 3 so the logits spread out
 eos row is zeroed (eos logit 0) so samples rarely stop early. Its head is tied,
 so ``write_weights`` leaves ``lm_head.weight`` out and a reload refreshes the
 head only through the embedding: the case vLLM's CPU path gets wrong unless
-the sao worker extension re-packs the head (``sao/rollout/vllm_worker.py``).
+the sao worker extension re-packs the head (``sao/rollout/remote/vllm_worker.py``).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
-from sao.rollout import launch
-from sao.rollout.http_engine import EngineSetupError, ModelIdentity, VLLMEngine
-from sao.rollout.launch import LaunchedServer, launch_servers
+from sao.rollout.remote import launch
+from sao.rollout.remote.http_engine import EngineSetupError, ModelIdentity, VLLMEngine
+from sao.rollout.remote.launch import LaunchedServer, launch_servers
 from sao.rollout.weights import read_weights, write_weights
 from sao.types import SamplingParams
 

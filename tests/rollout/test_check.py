@@ -96,7 +96,7 @@ def test_check_names_top_k_and_stale_version(chatml_tok):
 
 
 def test_check_with_torch_engine(chatml_tok):
-    torch_engine = pytest.importorskip("sao.rollout.torch_engine")
+    torch_engine = pytest.importorskip("sao.rollout.embedded.engine")
     model = tiny_llama(len(chatml_tok))
     sampling = SamplingParams(temperature=0.9, max_new_tokens=6)
 

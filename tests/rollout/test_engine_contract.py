@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from sao.rollout.http_engine import EngineError, VLLMEngine
+from sao.rollout.remote.http_engine import EngineError, VLLMEngine
 from sao.rollout.weights import DiskWeights, TensorWeights, write_weights
 from sao.types import SamplingParams
+from tests.rollout.embedded.test_engine import build, reference_logp
 from tests.rollout.engines import KINDS, open_engine
-from tests.rollout.test_engine import build, reference_logp
 
 PROMPT = [2, 7, 1, 8, 2, 8]
 
@@ -117,7 +117,7 @@ def test_disk_weights_round_trip_with_tied_embeddings(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from sao.rollout.weights import read_weights, weights_version
-    from tests.rollout.test_engine import SMALL
+    from tests.rollout.embedded.test_engine import SMALL
 
     torch.manual_seed(0)
     tied = LlamaForCausalLM(LlamaConfig(**SMALL, tie_word_embeddings=True))
@@ -142,10 +142,10 @@ def test_broadcast_weights_over_a_gloo_group(
     import subprocess
     import sys
 
-    from sao.rollout.collective import WeightGroup
-    from sao.rollout.launch import free_port
-    from sao.rollout.router import EngineRouter
-    from sao.rollout.sglang_engine import SGLangEngine
+    from sao.rollout.remote.collective import WeightGroup
+    from sao.rollout.remote.launch import free_port
+    from sao.rollout.remote.router import EngineRouter
+    from sao.rollout.remote.sglang_engine import SGLangEngine
     from sao.rollout.weights import BroadcastWeights
 
     old, new = build("llama", seed=0), build("llama", seed=1)

@@ -23,7 +23,7 @@ import pytest
 
 from sao.models.tiny import build_tiny_policy
 from sao.rollout import EpisodeLimits, run_episode
-from sao.rollout.torch_engine import TorchEngine
+from sao.rollout.embedded.engine import TorchEngine
 from sao.types import Completion, Message, Observation, SamplingParams, StepResult, Trajectory
 from tests.rollout.scripted import Reply, ScriptedEngine, ScriptedEnv, done
 from tests.rollout.templates import (

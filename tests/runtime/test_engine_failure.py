@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from sao.rollout.launch import free_port
-from sao.rollout.router import NoLiveEngineError
+from sao.rollout.remote.launch import free_port
+from sao.rollout.remote.router import NoLiveEngineError
 from tests.train.test_learning import run
 
 

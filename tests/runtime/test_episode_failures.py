@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
+from sao.app.run import train
 from sao.cli import main
 from sao.config import load_config
 from sao.envs.base import Split
 from sao.runtime.orchestrator import RunStopped
-from sao.runtime.run import train
 from sao.types import Env, StepResult
 from tests.train.test_learning import SayAEnv, SayATask
 

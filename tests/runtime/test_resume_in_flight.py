@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar
 
+from sao.app.run import train
 from sao.config import load_config
 from sao.envs.base import Split
 from sao.rollout.resume import EpisodeResume
-from sao.runtime.run import train
 from sao.types import Env, StepResult
 from tests.runtime.test_episode_failures import overrides
 from tests.train.test_learning import SayATask

@@ -12,15 +12,15 @@ from typing import Any
 
 import pytest
 
+from sao.app.run import train
 from sao.config import ConfigError
 from sao.envs.base import Split
-from sao.runtime.checkpoint import latest_checkpoint
-from sao.runtime.ledger import LEDGER, check_ledger
+from sao.rundir.checkpoint import latest_checkpoint
+from sao.rundir.ledger import LEDGER, check_ledger
 from sao.runtime.orchestrator import Orchestrator
-from sao.runtime.run import train
 from sao.train.trainer import Trainer
 from sao.types import Env, StepResult, Trajectory
-from tests.runtime.test_checkpoint_resume import _metrics, tiny_config
+from tests.rundir.test_checkpoint_resume import _metrics, tiny_config
 from tests.train.test_learning import SayAEnv, SayATask
 
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from sao.app.parts import build_parts
+from sao.app.run import train
 from sao.config import ConfigError, load_config, read_file
 from sao.models.loading import load_policy
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
-from sao.runtime.parts import build_parts
-from sao.runtime.run import train
 
 pytest.importorskip("math_verify")
 

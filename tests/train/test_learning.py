@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from sao.app.run import train
 from sao.config import load_config
 from sao.envs.base import Conversation, Split
-from sao.runtime.run import train
 from sao.types import Env, Message, StepResult
 
 

@@ -13,10 +13,10 @@ import torch
 
 import sao.train.trainer as trainer_mod
 from sao.algo.presets import get_preset
+from sao.app.run import train
 from sao.config import load_config
 from sao.models.loading import load_policy
 from sao.models.value import ValueModel
-from sao.runtime.run import train
 from sao.train.trainer import NonFiniteError, OptimSettings, Trainer
 from sao.types import Trajectory, Turn
 from tests.train.test_learning import SayATask

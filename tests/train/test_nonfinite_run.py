@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import sao.runtime.run
+import sao.app.run
+from sao.app.run import train
 from sao.cli import main
 from sao.config import load_config
 from sao.models.loading import load_policy
 from sao.models.value import ValueModel
-from sao.runtime.run import train
 from sao.train.trainer import NonFiniteError
 from tests.train.test_learning import SayATask
 
@@ -83,7 +83,7 @@ def test_sao_train_reports_the_stop_in_one_line(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """``sao train`` itself (its ``main``), with the toy task handed to the run."""
-    monkeypatch.setattr(sao.runtime.run, "train", functools.partial(train, task=SayATask()))
+    monkeypatch.setattr(sao.app.run, "train", functools.partial(train, task=SayATask()))
     argv = ["train"] + [a for o in overrides(tiny_policy, tmp_path / "run") for a in ("--set", o)]
     assert main(argv) == 1
     err = capsys.readouterr().err
@@ -133,7 +133,7 @@ def test_a_stop_raised_in_a_trainer_rank_actor_prints_one_line(
             wrapped = exceptions.RayTaskError("TrainerRank.step", traceback.format_exc(), e)
             raise wrapped.as_instanceof_cause() from None
 
-    monkeypatch.setattr(sao.runtime.run, "train", diverge)
+    monkeypatch.setattr(sao.app.run, "train", diverge)
     assert main(["train", "--set", "log.live=false"]) == 1
     err = capsys.readouterr().err
     assert err == "sao: stopped: 3 consecutive steps had NaN/inf values (train.max_bad_steps=3)\n"

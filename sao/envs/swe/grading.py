@@ -30,8 +30,8 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from sao.envs._sandbox_jail import copy_tree
 from sao.envs.sandbox import SandboxResult, run_shell
+from sao.envs.sandbox.jail import copy_tree
 from sao.envs.swe.problem import SweProblem
 
 __all__ = ["Grade", "GradeLimits", "grade", "parse_results", "reward_of"]

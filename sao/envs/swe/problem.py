@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from sao.envs._sandbox_jail import copy_tree
+from sao.envs.sandbox.jail import copy_tree
 
 __all__ = ["SweProblem"]
 

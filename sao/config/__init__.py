@@ -1,0 +1,41 @@
+"""The typed configuration of ``sao train``: sections and validation
+(:mod:`~sao.config.schema`), TOML/YAML files and ``--set`` overrides
+(:mod:`~sao.config.sources`), named presets (:mod:`~sao.config.presets`) and
+the generated reference (:mod:`~sao.config.reference`). It imports only
+:mod:`sao.algo` and pydantic."""
+
+from sao.config.presets import PRESETS
+from sao.config.schema import (
+    AlgoConfig,
+    Config,
+    EvalConfig,
+    LogConfig,
+    ModelConfig,
+    RolloutConfig,
+    RuntimeConfig,
+    TaskConfig,
+    TrainConfig,
+    load_config,
+    to_dict,
+    validate,
+)
+from sao.config.sources import ConfigError, parse_override, read_file
+
+__all__ = [
+    "PRESETS",
+    "AlgoConfig",
+    "Config",
+    "ConfigError",
+    "EvalConfig",
+    "LogConfig",
+    "ModelConfig",
+    "RolloutConfig",
+    "RuntimeConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "load_config",
+    "parse_override",
+    "read_file",
+    "to_dict",
+    "validate",
+]

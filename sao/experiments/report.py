@@ -1,0 +1,489 @@
+"""The report of an experiment directory, rebuilt from its run directories
+only: ``results.csv`` (one row per run), ``results.md`` (per arm: mean ± std
+and a 95% t-interval over seeds) and plots (held-out success, training reward
+and, when the runs have a critic, its explained variance against actor step,
+one line per arm with a min-max band across seeds).
+
+Layout read here (written by :mod:`sao.experiments.grid`)::
+
+    DIR/experiment.json              name and definition (claim, arms, overrides)
+    DIR/runs/ARM/seed-S/             a ``sao train`` run directory each
+        config.yaml metrics.jsonl summary.json experiment_attempts.jsonl
+
+Only finished runs (those with ``summary.json``) are reported; others are
+counted as incomplete. Everything written is a function of those files, so
+``sao experiment --report DIR`` reproduces the report byte for byte.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from sao.config import validate
+from sao.experiments.grid import Experiment
+from sao.rundir.metrics import PLOTS, summarize
+from sao.experiments.switches import (
+    STYLE_PREFIX,
+    recoveries,
+    recovery_md,
+    write_style_plot,
+)
+
+T_975: tuple[float, ...] = (
+    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
+    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
+    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
+)  # fmt: skip
+"""Two-sided 95% critical values t_{0.975, df} of Student's t for df = 1..30
+(standard tables; scipy is not a dependency)."""
+
+REWARD_WINDOW = 10
+"""Training reward is plotted and reported as a trailing mean over this many steps
+(the same window as ``summary.json``'s ``train/reward_last10``)."""
+
+CSV_COLUMNS = (
+    "arm",
+    "seed",
+    "actor_steps",
+    "trajectories_per_step",
+    "trajectories",
+    "initial_success",
+    "final_success",
+    "best_success",
+    "final_reward",
+    "collapse_step",
+    "wall_s",
+    "recovery_steps",
+)
+
+
+def t_critical(df: int) -> float:
+    """t_{0.975, df}: the table for df <= 30; above, the Cornish-Fisher expansion
+    around z = 1.95996 (Abramowitz & Stegun 26.7.5, two terms; error < 1e-3)."""
+    if df < 1:
+        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
+    if df <= len(T_975):
+        return T_975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+@dataclass(frozen=True)
+class Stats:
+    """Mean, sample standard deviation (n - 1 in the denominator) and the 95%
+    t-interval of the mean, ``mean ± t_{0.975, n-1} * std / sqrt(n)``, of the
+    finite values given; std and interval are NaN for fewer than two values."""
+
+    n: int
+    mean: float
+    std: float
+    low: float
+    high: float
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Stats:
+        xs = [x for x in values if math.isfinite(x)]
+        n = len(xs)
+        if n == 0:
+            return cls(0, math.nan, math.nan, math.nan, math.nan)
+        mean = sum(xs) / n
+        if n == 1:
+            return cls(1, mean, math.nan, math.nan, math.nan)
+        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
+        half = t_critical(n - 1) * std / math.sqrt(n)
+        return cls(n, mean, std, mean - half, mean + half)
+
+    def cell(self, digits: int = 3) -> str:
+        """``"0.600 ± 0.265 [-0.057, 1.257]"`` (a Markdown table cell)."""
+        if self.n == 0:
+            return "n/a"
+        if self.n == 1:
+            return f"{self.mean:.{digits}f} (one seed)"
+        f = f".{digits}f"
+        return f"{self.mean:{f}} ± {self.std:{f}} [{self.low:{f}}, {self.high:{f}}]"
+
+
+def collapse_step(evals: Sequence[tuple[int, float]], until: int | None = None) -> int | None:
+    """The first eval step after which held-out success stays below half its
+    initial value (at that eval and every later one); None if it never does, or
+    if the initial value is 0. ``evals``: ``(step, success)`` in step order.
+    ``until``: only evals before this step count (an experiment with preference
+    switches passes the first: after it, success is judged by another
+    preference, and a drop there is a failure to follow, not a collapse)."""
+    if until is not None:
+        evals = [e for e in evals if e[0] < until]
+    if not evals or evals[0][1] <= 0:
+        return None
+    threshold = evals[0][1] / 2
+    found: int | None = None  # the start of the current stretch below the threshold
+    for step, value in evals[1:]:
+        below = value < threshold
+        found = (found if found is not None else step) if below else None
+    return found
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One finished run: its headline numbers and its curves against actor step
+    (``step - algo.critic_pretrain_steps``: the critic-only warm-up is negative)."""
+
+    arm: str
+    seed: int
+    actor_steps: int
+    batch_size: int
+    warmup_steps: int
+    initial_success: float
+    final_success: float
+    best_success: float
+    final_reward: float
+    collapse_step: int | None
+    wall_s: float
+    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
+    code: tuple[str, ...] = ()
+    """The code versions its attempts ran, in order, each once (older runs: none)."""
+
+    @property
+    def trajectories(self) -> int:
+        """Trajectories trained on, the critic-only warm-up's included."""
+        return (self.actor_steps + self.warmup_steps) * self.batch_size
+
+    def row(self, marks: Sequence[int] = ()) -> list[str]:
+        """The run's ``results.csv`` row (``recovery_steps``: per switch in ``marks``,
+        ``;``-separated, empty where it did not recover)."""
+        steps = recoveries(self, marks)
+        return [
+            self.arm,
+            str(self.seed),
+            str(self.actor_steps),
+            str(self.batch_size),
+            str(self.trajectories),
+            _num(self.initial_success),
+            _num(self.final_success),
+            _num(self.best_success),
+            _num(self.final_reward),
+            "" if self.collapse_step is None else str(self.collapse_step),
+            f"{self.wall_s:.1f}",
+            ";".join("" if x is None else str(x) for x in steps),
+        ]
+
+
+def _num(x: float) -> str:
+    return f"{x:.4f}" if math.isfinite(x) else ""
+
+
+def trailing_mean(points: Sequence[tuple[int, float]], window: int) -> list[tuple[int, float]]:
+    """Each point's value replaced by the mean of it and up to ``window - 1`` before it."""
+    values = [v for _, v in points]
+    return [
+        (step, sum(values[max(0, i + 1 - window) : i + 1]) / min(i + 1, window))
+        for i, (step, _) in enumerate(points)
+    ]
+
+
+def read_history(path: Path) -> list[dict[str, float]]:
+    """The rows of a ``metrics.jsonl``."""
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+
+
+def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> RunResult:
+    """A finished run directory's :class:`RunResult` (``until``: see
+    :func:`collapse_step`)."""
+    cfg = validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    warmup = cfg.algo.resolve().critic_pretrain_steps
+    history = read_history(run_dir / "metrics.jsonl")
+    summary = summarize(history)
+
+    def curve(key: str) -> list[tuple[int, float]]:
+        return [
+            (int(r["step"]) - warmup, float(r[key]))
+            for r in history
+            if key in r and math.isfinite(r[key])
+        ]
+
+    evals = curve("eval/success")
+    rewards = curve("train/reward_mean")
+    curves = {
+        "eval/success": evals,
+        "train/reward_mean": trailing_mean(rewards, REWARD_WINDOW),
+        "train/reward": rewards,
+    }
+    if ev := curve("critic/explained_variance"):
+        curves["critic/explained_variance"] = ev
+    for key in sorted({k for r in history for k in r if k.startswith(STYLE_PREFIX)}):
+        curves[key] = curve(key)
+    path = run_dir / "experiment_attempts.jsonl"
+    attempts = [json.loads(x) for x in path.read_text().splitlines() if x] if path.is_file() else []
+    wall = sum(float(a["wall_s"]) for a in attempts) if attempts else summary["wall_s"]
+    code = tuple(dict.fromkeys(str(a["code"]) for a in attempts if a.get("code")))
+    return RunResult(
+        arm=arm,
+        seed=seed,
+        actor_steps=cfg.train.steps,
+        batch_size=cfg.train.batch_size,
+        warmup_steps=warmup,
+        initial_success=summary["eval/success_first"],
+        final_success=summary["eval/success_last"],
+        best_success=summary["eval/success_best"],
+        final_reward=summary["train/reward_last10"],
+        collapse_step=collapse_step(evals, until),
+        wall_s=wall,
+        curves=curves,
+        code=code,
+    )
+
+
+_SEED_DIR = re.compile(r"^seed-(\d+)$")
+
+
+def scan_runs(
+    exp_dir: Path, arms: Sequence[str], until: int | None = None
+) -> tuple[list[RunResult], list[Path]]:
+    """Finished runs of ``arms`` (in that order, then by seed) and unfinished run
+    dirs (``until``: see :func:`collapse_step`)."""
+    done: list[RunResult] = []
+    unfinished: list[Path] = []
+    for arm in arms:
+        arm_dir = exp_dir / "runs" / arm
+        seeds = sorted(
+            int(m.group(1))
+            for p in (arm_dir.iterdir() if arm_dir.is_dir() else [])
+            if p.is_dir() and (m := _SEED_DIR.match(p.name))
+        )
+        for seed in seeds:
+            run_dir = arm_dir / f"seed-{seed}"
+            if (run_dir / "summary.json").is_file():
+                done.append(read_run(run_dir, arm, seed, until))
+            else:
+                unfinished.append(run_dir)
+    return done, unfinished
+
+
+def write_report(exp_dir: Path) -> list[Path]:
+    """Rebuild ``results.csv``, ``results.md`` and the plots of ``exp_dir`` from
+    its run directories; returns the files written."""
+    meta = json.loads((exp_dir / "experiment.json").read_text())
+    exp = Experiment.from_dict(meta["definition"])
+    runs, unfinished = scan_runs(exp_dir, list(exp.arms), min(exp.marks, default=None))
+    written = [exp_dir / "results.csv", exp_dir / "results.md"]
+    written[0].write_text(results_csv(runs, exp.marks))
+    plots = write_plots(runs, exp, exp_dir)
+    if style := write_style_plot(runs, exp, exp_dir, _schedule(exp_dir, runs)):
+        plots.append(style)
+    md = results_md(exp, list(meta.get("overrides", [])), runs, unfinished, exp_dir, plots)
+    written[1].write_text(md)
+    return written + plots
+
+
+def results_csv(runs: Sequence[RunResult], marks: Sequence[int] = ()) -> str:
+    """One row per finished run (:data:`CSV_COLUMNS`)."""
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(CSV_COLUMNS)
+    for r in runs:
+        w.writerow(r.row(marks))
+    return buf.getvalue()
+
+
+def _schedule(exp_dir: Path, runs: Sequence[RunResult]) -> list[str]:
+    """The style preferred in each phase between switches, from a run's config
+    (style_shift's ``schedule`` option or its default); [] for other tasks."""
+    if not runs:
+        return []
+    r = runs[0]
+    cfg = validate(
+        yaml.safe_load((exp_dir / "runs" / r.arm / f"seed-{r.seed}" / "config.yaml").read_text())
+    )
+    if cfg.task.name != "style_shift":
+        return []
+    from sao.envs.style_shift import DEFAULT_SCHEDULE
+
+    return [str(style) for _, style in cfg.task.options.get("schedule", DEFAULT_SCHEDULE)]
+
+
+def _comparison(runs: Sequence[RunResult]) -> str:
+    """The sentence saying whether arms saw equal trajectories per step and in total."""
+    per_step = sorted({r.batch_size for r in runs})
+    steps = sorted({r.actor_steps for r in runs})
+    if len(per_step) == 1 and len(steps) == 1:
+        text = (
+            f"Arms are compared at equal trajectories per actor step ({per_step[0]}) and equal "
+            f"actor steps ({steps[0]}): {per_step[0] * steps[0]:,} trajectories of actor "
+            "training per run in every arm."
+        )
+        warm = sorted({(r.arm, r.warmup_steps) for r in runs if r.warmup_steps})
+        if warm:
+            w = ", ".join(f"`{a}` {n} step{'s' * (n != 1)}" for a, n in dict(warm).items())
+            text += (
+                f" Critic-only warm-up steps of {per_step[0]} trajectories come on top ({w}): "
+                "they sample with the frozen initial policy and train only the critic; "
+                "the `trajectories` column of results.csv counts them."
+            )
+        return text
+    return (
+        "**Arms are NOT compared at equal trajectories**: trajectories per step "
+        f"{per_step}, actor steps {steps} (see results.csv)."
+    )
+
+
+def results_md(
+    exp: Experiment,
+    overrides: Sequence[str],
+    runs: Sequence[RunResult],
+    unfinished: Sequence[Path],
+    exp_dir: Path,
+    plots: Sequence[Path],
+) -> str:
+    """The Markdown report: claim, comparison, per-arm table, arms' overrides, plots."""
+    out = [f"# Experiment `{exp.name}`", "", "Claim tested:", ""]
+    out += ["> " + line for line in exp.claim.splitlines()] + [""]
+    if not runs:
+        return "\n".join([*out, "No finished runs yet.", ""])
+    seeds = sorted({r.seed for r in runs})
+    out += [
+        _comparison(runs),
+        "",
+        f"Seeds {', '.join(map(str, seeds))}. Each cell: mean ± sample std over seeds "
+        "[95% t-interval of the mean]. Held-out success: greedy episodes of the eval split; "
+        f"final train reward: mean over the last {REWARD_WINDOW} steps (sampled); collapsed: "
+        "runs whose held-out success fell below half its initial value at an eval and "
+        "stayed there (step = first such eval, in actor steps)"
+        + (
+            f"; only evals before the first switch (step {min(exp.marks)}) count."
+            if exp.marks
+            else "."
+        ),
+        "",
+        "| arm | seeds | initial held-out | final held-out | best held-out "
+        "| final train reward | collapsed | wall min (mean) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for arm in exp.arms:
+        rs = [r for r in runs if r.arm == arm]
+        if not rs:
+            continue
+        collapsed = [r.collapse_step for r in rs if r.collapse_step is not None]
+        col = f"{len(collapsed)}/{len(rs)}" + (
+            f" (steps {', '.join(map(str, collapsed))})" if collapsed else ""
+        )
+        out.append(
+            f"| `{arm}` | {len(rs)} | {Stats.of([r.initial_success for r in rs]).cell()} "
+            f"| {Stats.of([r.final_success for r in rs]).cell()} "
+            f"| {Stats.of([r.best_success for r in rs]).cell()} "
+            f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} "
+            f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} |"
+        )
+    out += ["", *recovery_md(exp, runs)] if exp.marks else []
+    out += ["", "| arm | overrides |", "|---|---|"]
+    for arm, sets in exp.arms.items():
+        out.append(f"| `{arm}` | {' '.join(f'`{s}`' for s in sets) or '(base only)'} |")
+
+    def code(items: Sequence[str]) -> str:
+        return " ".join(f"`{s}`" for s in items)
+
+    out += [
+        "",
+        f"Every arm: preset `{exp.preset}`"
+        + (f", then the experiment's {code(exp.base)}" if exp.base else "")
+        + (f", then this directory's `--set` {code(overrides)}" if overrides else "")
+        + ". Per run: [results.csv](results.csv); run directories under `runs/ARM/seed-S`.",
+    ]
+    out += code_md(runs)
+    if unfinished:
+        names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
+        out += ["", f"Unfinished runs, not included: {names}."]
+    out.append("")
+    for p in plots:
+        out += [f"![{p.stem}]({p.name})", ""]
+    return "\n".join(out)
+
+
+def code_md(runs: Sequence[RunResult]) -> list[str]:
+    """The report's line on the code the runs ran ([] when none was recorded)."""
+    versions = list(dict.fromkeys(v for r in runs for v in r.code))
+    if not versions:
+        return []
+    if len(versions) == 1 and all(r.code for r in runs):
+        return ["", f"Code: every run ran `{versions[0]}`."]
+    which = [
+        f"`{v}` ({', '.join(f'{r.arm}/{r.seed}' for r in runs if v in r.code)})" for v in versions
+    ]
+    text = "**The runs did not all run the same code**: " + "; ".join(which)
+    unknown = [f"{r.arm}/{r.seed}" for r in runs if not r.code]
+    return ["", text + (f"; not recorded: {', '.join(unknown)}." if unknown else ".")]
+
+
+def aggregate(
+    series: Sequence[list[tuple[int, float]]],
+) -> tuple[list[int], list[float], list[float], list[float]]:
+    """Steps, mean, min and max across runs at each step any run has."""
+    by_step: dict[int, list[float]] = {}
+    for s in series:
+        for step, v in s:
+            by_step.setdefault(step, []).append(v)
+    steps = sorted(by_step)
+    return (
+        steps,
+        [sum(by_step[s]) / len(by_step[s]) for s in steps],
+        [min(by_step[s]) for s in steps],
+        [max(by_step[s]) for s in steps],
+    )
+
+
+_LABELS = {
+    "eval/success": "held-out success (greedy)",
+    "train/reward_mean": f"train reward ({REWARD_WINDOW}-step mean)",
+    "critic/explained_variance": "critic explained variance",
+}
+
+
+def write_plots(runs: Sequence[RunResult], exp: Experiment, out_dir: Path) -> list[Path]:
+    """One PNG per metric of :data:`_LABELS` (file names from
+    :data:`sao.rundir.metrics.PLOTS`): the mean over seeds per arm, a min-max band
+    across seeds, vertical lines at the experiment's ``marks`` (e.g. preference
+    switches)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for key, label in _LABELS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
+        drawn = False
+        for i, arm in enumerate(exp.arms):
+            series = [r.curves[key] for r in runs if r.arm == arm and r.curves.get(key)]
+            if not series:
+                continue
+            steps, mean, lo, hi = aggregate(series)
+            color = f"C{i % 10}"
+            ax.plot(steps, mean, color=color, label=f"{arm} (n={len(series)})")
+            if len(series) > 1:
+                ax.fill_between(steps, lo, hi, color=color, alpha=0.2, linewidth=0)
+            drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        for j, m in enumerate(exp.marks):
+            ax.axvline(
+                m, color="grey", linestyle="--", linewidth=1, label="switch" if j == 0 else None
+            )
+        ax.set_xlabel("actor step (critic warm-up < 0)")
+        ax.set_ylabel(label)
+        ax.set_title(f"{exp.name}: {label}, mean and min-max over seeds", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        path = out_dir / PLOTS[key]
+        fig.savefig(path, metadata={"Software": None})
+        plt.close(fig)
+        written.append(path)
+    return written

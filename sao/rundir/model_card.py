@@ -1,0 +1,114 @@
+"""The model card of a run's export (``RUN_DIR/final/README.md``, as the
+Hugging Face Hub reads it): what was trained, how, for how long, the held-out
+results and the whole configuration, so that the directory explains itself
+wherever it is copied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import yaml
+
+from sao.config import Config, to_dict
+from sao.rundir.checkpoint import write_text_atomic
+from sao.rundir.metrics import summarize
+
+if TYPE_CHECKING:
+    from sao.runtime.trainers import TrainerHandle
+
+CARD = "README.md"
+"""The model card's file name in the export."""
+
+
+async def export_final(
+    handle: TrainerHandle,
+    directory: Path,
+    cfg: Config,
+    history: list[dict[str, float]],
+    *,
+    stopped: str | None = None,
+) -> None:
+    """The trained policy and tokenizer (``handle.export``, atomically), then
+    its model card (atomically too: a kill between the two leaves a policy
+    without a card, which finishing the run by resuming exports again).
+    ``stopped``: why the run ended early (the card says so)."""
+    await handle.export(directory)
+    write_text_atomic(directory / CARD, model_card(cfg, history, stopped=stopped))
+
+
+def model_card(cfg: Config, history: list[dict[str, float]], *, stopped: str | None = None) -> str:
+    """The card's Markdown: YAML front matter (Hub metadata), the task and
+    algorithm, steps and trajectories trained, first/last/best held-out
+    success (from ``history``, the rows of ``metrics.jsonl``) and the config."""
+    algo = cfg.algo.resolve()
+    total = cfg.train.steps + algo.critic_pretrain_steps
+    summary = summarize(history)
+    steps = int(summary["steps"])
+    start = f"`{cfg.model.path}`" if cfg.model.path else "the task's tiny warm-started policy"
+    front = {
+        "library_name": "transformers",
+        "pipeline_tag": "text-generation",
+        "tags": list(
+            dict.fromkeys(["sao", "reinforcement-learning", cfg.task.name, cfg.algo.preset])
+        ),
+    }
+    lines = [
+        "---",
+        yaml.safe_dump(front, sort_keys=False).strip(),
+        "---",
+        "",
+        f"# `{cfg.task.name}` policy trained with sao",
+        "",
+        f"Trained by `sao train` (asynchronous RL for language-model agents) from {start} "
+        f"on the `{cfg.task.name}` task, with the `{cfg.algo.preset}` algorithm preset: "
+        f"advantage `{algo.advantage}`, loss `{algo.loss}`, "
+        f"{'a critic' if algo.use_critic else 'no critic'}, "
+        f"at most {cfg.runtime.max_lag} version(s) of staleness (`runtime.max_lag`).",
+        "",
+    ]
+    if stopped is not None:
+        reason = " ".join(stopped.split())
+        lines += [
+            f"**The run stopped early**, after step {steps} of {total}: {reason}",
+            "These are the weights it had when it stopped.",
+            "",
+        ]
+    lines += [
+        "| training | |",
+        "|---|---|",
+        f"| steps | {steps} of {total} ({algo.critic_pretrain_steps} critic-only warm-up) |",
+        f"| trajectories trained | {steps * cfg.train.batch_size} "
+        f"({cfg.train.batch_size} per step) |",
+        f"| wall time | {summary['wall_s']:.1f} s |",
+        "",
+        *_held_out(cfg, history),
+        "## Configuration",
+        "",
+        "The resolved configuration (the run's `config.yaml`):",
+        "",
+        "```yaml",
+        yaml.safe_dump(to_dict(cfg), sort_keys=False).strip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _held_out(cfg: Config, history: list[dict[str, float]]) -> list[str]:
+    """The held-out results section: first, last and best ``eval/success``."""
+    evals = [(int(r["step"]), r["eval/success"]) for r in history if "eval/success" in r]
+    out = ["## Held-out results", ""]
+    if not evals:
+        return [*out, "No held-out evaluation was logged.", ""]
+    best = max(evals, key=lambda e: e[1])  # the first of equal bests
+    out += [
+        f"`eval/success` on {cfg.eval.episodes} held-out episodes (greedy), "
+        f"every {cfg.eval.every} steps:",
+        "",
+        "| | step | eval/success |",
+        "|---|---|---|",
+    ]
+    for name, (step, value) in (("first", evals[0]), ("last", evals[-1]), ("best", best)):
+        out.append(f"| {name} | {step} | {value:.3f} |")
+    return [*out, ""]

@@ -1,0 +1,67 @@
+"""``rollout.launch``: real ``sao serve`` processes started, health-checked
+and stopped; a server that exits or never answers is a clear error."""
+
+from __future__ import annotations
+
+import asyncio
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+
+from sao.rollout.remote.http_engine import EngineSetupError, VLLMEngine
+from sao.rollout.remote.launch import launch_servers, server_command
+from sao.types import SamplingParams
+
+KW = dict(max_seq_len=128, max_batch_size=4, dtype="float32", device="cpu")
+
+
+def test_launched_sao_serve_generates_and_is_stopped(tiny_policy: Path, tmp_path: Path) -> None:
+    async def go() -> list:
+        async with launch_servers(
+            "http", str(tiny_policy), 1, log_dir=tmp_path, timeout_s=120, **KW
+        ) as servers:
+            client = VLLMEngine(servers[0].url)
+            await client.connect(None, timeout_s=10)
+            c = await client.generate([1, 2, 3], SamplingParams(max_new_tokens=3))
+            await client.aclose()
+            assert len(c.token_ids) <= 3 and c.versions == (0,) * len(c.token_ids)
+            return servers
+
+    (server,) = asyncio.run(go())
+    assert server.process.poll() is not None  # stopped with the context
+
+
+def test_a_server_that_exits_reports_its_log(tmp_path: Path) -> None:
+    async def go() -> None:
+        async with launch_servers(
+            "http", str(tmp_path / "no-model"), 1, log_dir=tmp_path, timeout_s=60, **KW
+        ):
+            pass
+
+    with pytest.raises(EngineSetupError, match=r"(?s)exited with code .*does not exist"):
+        asyncio.run(go())
+
+
+def test_a_server_that_never_answers_times_out(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(
+        f"#!{sys.executable}\nimport time\nprint('loading...', flush=True)\ntime.sleep(60)\n"
+    )
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+
+    async def go() -> None:
+        async with launch_servers(
+            "http", "m", 1, log_dir=tmp_path, timeout_s=2, python=str(fake), **KW
+        ):
+            pass
+
+    with pytest.raises(EngineSetupError, match=r"(?s)did not answer /health within 2 s.*loading"):
+        asyncio.run(go())
+
+
+def test_vllm_command_enables_rl_routes_and_processed_logprobs() -> None:
+    cmd, env = server_command("vllm", "/m", 8000, python="py", **KW)
+    assert cmd[:3] == ["py", "-m", "vllm.entrypoints.launchers.api_server.entry"]
+    assert "processed_logprobs" in cmd and env["VLLM_SERVER_DEV_MODE"] == "1"
