@@ -21,7 +21,9 @@ How an episode ends (``Trajectory.finish_reason``):
   a coroutine, or returned something that is not an observation (text,
   messages, token ids), a :class:`~sao.types.StepResult` or a number.
 - ``timeout``: ``env.reset`` or ``env.step`` exceeded its deadline, or held
-  the event loop longer than it (:mod:`sao.rollout.envcall`).
+  the event loop longer than it (:mod:`sao.rollout.envcall`). An environment
+  class that held the loop runs in worker threads from then on
+  (:mod:`sao.rollout.envthread`).
 - ``error``: the episode could not be played: the first prompt does not fit
   the token budget, or the tokenizer failed on an observation.
 
@@ -65,13 +67,12 @@ from sao.rollout.chat import (
 from sao.rollout.engine import Engine, episode_key
 from sao.rollout.envcall import (
     EpisodeFailure,
-    call_env,
     check_result,
     describe_error,
     finite_number,
-    invoke,
     score_env,
 )
+from sao.rollout.envthread import EnvCalls
 from sao.rollout.progress import progress
 from sao.rollout.resume import EpisodeResume, resume_points
 from sao.rollout.tito import TITO_POLICIES, GenerationLog, TitoPolicy, check_episode, judge
@@ -213,7 +214,7 @@ async def _off_loop(where: str, fn: Callable[[], _T]) -> _T:
 
 
 async def _start(
-    env: Env,
+    calls: EnvCalls,
     tokenizer: PreTrainedTokenizerBase,
     limits: EpisodeLimits,
     context: int | None,
@@ -225,13 +226,7 @@ async def _start(
     progress.enter("Env.reset")
     t0 = time.perf_counter()
     try:
-        raw = await call_env(
-            invoke(env.reset, "Env.reset", seed),
-            limits.reset_timeout_s,
-            "reset_timeout_s",
-            "Env.reset",
-            type(env).__qualname__,
-        )
+        raw = await calls.reset(seed, limits.reset_timeout_s)
     finally:
         ep.env_latency_s += time.perf_counter() - t0
     progress.enter("tokenizing the prompt")
@@ -271,7 +266,7 @@ async def _generate(
 
 
 async def _respond(
-    env: Env,
+    calls: EnvCalls,
     tokenizer: PreTrainedTokenizerBase,
     limits: EpisodeLimits,
     ep: _Episode,
@@ -285,15 +280,7 @@ async def _respond(
     t0 = time.perf_counter()
     reward = 0.0
     try:
-        result = check_result(
-            await call_env(
-                invoke(env.step, "Env.step", text),
-                limits.step_timeout_s,
-                "step_timeout_s",
-                "Env.step",
-                type(env).__qualname__,
-            )
-        )
+        result = check_result(await calls.step(text, limits.step_timeout_s))
         reward = float(result.reward)
         ep.reported |= {
             k: float(v)
@@ -372,7 +359,7 @@ def _resumed(resume: EpisodeResume) -> _Episode:
 
 
 async def _play(
-    env: Env,
+    calls: EnvCalls,
     engine: Engine,
     tokenizer: PreTrainedTokenizerBase,
     sampling: SamplingParams,
@@ -385,8 +372,9 @@ async def _play(
     history); the finish reason and error message."""
     context = _context_window(engine)
     budget = min(limits.max_total_tokens, context or limits.max_total_tokens)
+    env = calls.env
     if not resumed:
-        await _start(env, tokenizer, limits, context, ep, seed)
+        await _start(calls, tokenizer, limits, context, ep, seed)
     for turn in range(len(ep.turns), limits.max_turns):
         _offer_resume(env, ep)
         try:
@@ -397,7 +385,7 @@ async def _play(
             start = len(ep.tokens) - len(completion.token_ids)
             ep.close_turn(start, len(ep.tokens), 0.0, 0.0)
             return "length", "the engine aborted the generation"
-        result = await _respond(env, tokenizer, limits, ep, completion)
+        result = await _respond(calls, tokenizer, limits, ep, completion)
         if result.done:
             return "stop", None
         if turn == limits.max_turns - 1:
@@ -452,14 +440,16 @@ async def run_episode(
     log = GenerationLog(engine) if limits.tito_check != "off" else None
     name = f"{prompt_id}#{group_id}#{seed}"
     key = episode_key.set(name)
+    calls = EnvCalls(env)
     try:
         resumed = resume is not None
         reason, error = await _play(
-            env, log or engine, tokenizer, sampling, limits, ep, seed, resumed
+            calls, log or engine, tokenizer, sampling, limits, ep, seed, resumed
         )
     except EpisodeFailure as failure:
         reason, error = failure.reason, failure.message
     finally:
+        calls.close()
         episode_key.reset(key)
         progress.end(name)
     reward, score_error = score_env(env)

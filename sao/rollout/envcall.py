@@ -9,7 +9,9 @@ episode while it runs, and asyncio cannot interrupt it; the call then fails
 as ``timeout`` when its slice or its own time exceeds the deadline, with a
 message that names the environment and says what to do. Time the loop spent
 blocked by *other* environments is added to a call's deadline, so one
-blocking environment cannot time out the innocent episodes it stalled.
+blocking environment cannot time out the innocent episodes it stalled. Its
+class then runs in worker threads (:mod:`sao.rollout.envthread`), so it stalls
+the run once, not at every call.
 """
 
 from __future__ import annotations
@@ -81,10 +83,14 @@ def describe_error(err: BaseException) -> str:
 
 
 class _Timed:
-    """Awaits ``inner`` while timing each of its synchronous slices."""
+    """Awaits ``inner`` while timing each of its synchronous slices; ``on_stall``
+    is told of each stall as soon as it ends."""
 
-    def __init__(self, inner: Awaitable[Any]) -> None:
+    def __init__(
+        self, inner: Awaitable[Any], on_stall: Callable[[float], None] | None = None
+    ) -> None:
         self._it = inner.__await__()
+        self._on_stall = on_stall
         self.longest_s = 0.0
         self.stalled_s = 0.0
 
@@ -93,6 +99,8 @@ class _Timed:
         self.longest_s = max(self.longest_s, seconds)
         if seconds >= _STALL_S:
             self.stalled_s += seconds
+            if self._on_stall is not None:
+                self._on_stall(seconds)
         stalls.add(seconds)
 
     def __await__(self) -> Generator[Any, Any, Any]:
@@ -144,10 +152,18 @@ def _blocked(where: str, seconds: float, limit: str, timeout_s: float) -> Episod
 
 
 async def call_env(
-    make: object, timeout_s: float, limit: str, where: str, owner: str = ""
+    make: object,
+    timeout_s: float,
+    limit: str,
+    where: str,
+    owner: str = "",
+    on_stall: Callable[[float], None] | None = None,
 ) -> object:
     """Await an env coroutine under a deadline; failures become :class:`EpisodeFailure`.
-    ``owner`` names the environment (its class) in the message of a blocking one.
+    ``owner`` names the environment (its class) in the message of a blocking one;
+    ``on_stall`` is told the seconds of each synchronous slice of at least 50 ms
+    (a stretch it held the event loop) as soon as the slice ends, before the
+    loop runs anything else.
 
     Uses ``asyncio.wait`` and cancels on timeout without waiting for the
     environment to unwind (``asyncio.wait_for`` would wait, and an environment
@@ -157,7 +173,7 @@ async def call_env(
         raise EpisodeFailure(
             "env_error", f"{where} must be async; it returned {type(make).__name__}"
         )
-    timed = _Timed(make)
+    timed = _Timed(make, on_stall)
     task = asyncio.ensure_future(_drive(timed))
     start, others0 = time.perf_counter(), stalls.total_s
 
@@ -181,6 +197,8 @@ async def call_env(
     if task.cancelled():
         raise EpisodeFailure("env_error", f"{where} cancelled itself")
     err = task.exception()
+    if isinstance(err, EpisodeFailure):  # worded already (a call run in a worker thread)
+        raise err
     if err is not None:
         raise EpisodeFailure("env_error", f"{where} raised {describe_error(err)}")
     return task.result()
