@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -79,11 +79,13 @@ async def evaluate(
         mean_turns=sum(t.num_turns for t in trajs) / max(n, 1),
         timeouts=reasons["timeout"],
         errors=reasons["error"],
-        reported=_reported(trajs),
+        reported=reported_means(trajs),
     )
 
 
-def _reported(trajs: list[Trajectory]) -> dict[str, float]:
+def reported_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean of each ``metric/NAME`` entry of ``trajs``' metrics (what their
+    environments reported), over the trajectories that hold it."""
     values: dict[str, list[float]] = {}
     for t in trajs:
         for k, v in t.metrics.items():

@@ -1,15 +1,20 @@
 """Held-out evaluation (sao.runtime.evaluate; here for the rollout fixtures):
 failures score 0 and are counted by reason; numbers an environment reports
-(``StepResult.info["metric/..."]``) are averaged."""
+(``StepResult.info["metric/..."]``) are averaged, over held-out episodes and
+over each training batch."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 from sao.rollout import EpisodeLimits
+from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.evaluate import evaluate
+from sao.runtime.orchestrator import Orchestrator
 from sao.runtime.runner import LocalRunner
-from sao.types import Env, StepResult
+from sao.runtime.staleness import StalenessGate
+from sao.types import Env, SamplingParams, StepResult, failed_trajectory
 from tests.rollout.conftest import c
 from tests.rollout.scripted import Reply, ScriptedEngine
 
@@ -56,3 +61,32 @@ def test_failures_score_zero_and_reported_metrics_are_averaged(chatml_tok):
     assert m["eval/success"] == 0.25 and m["eval/env_error"] == 1.0 and m["eval/error"] == 1.0
     assert m["eval/polite"] == (0.0 + 2.0) / 2  # episodes 0 and 2 reported it
     assert "eval/n" not in m  # only metric/... entries are reported
+
+
+class NoRunner:
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+
+def test_a_training_batch_reports_the_mean_of_each_env_metric() -> None:
+    gate = StalenessGate(0, 3)
+    sampling = SamplingParams(max_new_tokens=4)
+    orch = Orchestrator(
+        NoRunner(),  # type: ignore[arg-type]
+        sampling,
+        gate=gate,
+        buffer=TrajectoryBuffer(gate, group_size=1, dynamic_sampling=False),
+        in_flight=1,
+        group_size=1,
+        seed=0,
+    )
+    base = failed_trajectory("p", "g", sampling, "stop", "")
+    batch = [
+        dataclasses.replace(base, metrics={"metric/format/missing_answer": 1.0, "num_turns": 1.0}),
+        dataclasses.replace(base, metrics={"metric/format/missing_answer": 0.0}),
+        dataclasses.replace(base, metrics={"metric/format/missing_answer": 1.0}),
+        dataclasses.replace(base, metrics={}),  # reported nothing: not counted
+    ]
+    m = orch.runtime_metrics(batch, 0)
+    assert m["format/missing_answer"] == (1.0 + 0.0 + 1.0) / 3
+    assert "num_turns" not in m and "metric/format/missing_answer" not in m
