@@ -37,6 +37,8 @@ class EvalResult:
     reported: dict[str, float] = field(default_factory=dict)
     """Mean of each ``metric/NAME`` the environments reported (``StepResult.info``),
     over the episodes that reported it; logged as ``eval/NAME``."""
+    trajectories: tuple[Trajectory, ...] = field(default=(), repr=False)
+    """The episodes, held-out episode ``i`` at position ``i`` (for transcripts)."""
 
     def metrics(self) -> dict[str, float]:
         """``eval/...`` metrics of a run."""
@@ -80,6 +82,7 @@ async def evaluate(
         timeouts=reasons["timeout"],
         errors=reasons["error"],
         reported=reported_means(trajs),
+        trajectories=tuple(trajs),
     )
 
 
