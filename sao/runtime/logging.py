@@ -170,8 +170,9 @@ class LiveView:
             self._progress.update(self._task, completed=step, info=headline(row))
 
     def print(self, message: str) -> None:
-        # as it is: "[max_lag 1]" or a reply's "[cute]" is text, not rich markup
-        self.console.print(message, markup=False, highlight=False)
+        # as it is: "[max_lag 1]" or a reply's "[cute]" is text, not rich markup; long lines
+        # are left to the terminal to wrap (copied, they stay one line)
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

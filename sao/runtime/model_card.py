@@ -140,8 +140,8 @@ def _replies(samples: Sequence[Transcript]) -> list[str]:
         return [*out, "No held-out transcripts were recorded (`log.eval_samples`).", ""]
     shown = samples[:CARD_SAMPLES]
     out += [
-        f"The first {len(shown)} of {len(samples)} held-out episodes of the last evaluation "
-        f"(step {shown[0].step}; all of them are in the run's `{EVAL_SAMPLES}`):",
+        f"The first {len(shown)} held-out episodes of the last evaluation (step "
+        f"{shown[0].step}; the run's `{EVAL_SAMPLES}` holds {len(samples)} of them):",
         "",
     ]
     for t in shown:
@@ -153,7 +153,7 @@ def _replies(samples: Sequence[Transcript]) -> list[str]:
             "",
             *_fenced(prompt.strip()),
             "",
-            *_fenced(reply.strip()),
+            *_fenced(reply.strip() or f"(no visible text: {reply!r})"),
             "",
         ]
     return out

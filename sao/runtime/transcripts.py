@@ -109,9 +109,9 @@ def _cut(text: str, chars: int) -> str:
 
 
 def _shown(text: str, chars: int) -> str:
-    """``text`` on one line, quoted (newlines as ``\\n``), its end kept when too
-    long: a prompt's question and a reply's answer are at their ends."""
-    text = text.strip()
+    """``text`` on one line, quoted (newlines as ``\\n``, so a reply of blank
+    lines shows), its end kept when too long: a prompt's question and a
+    reply's answer are at their ends."""
     if len(text) > chars:
         text = "..." + text[-(chars - 3) :]
     return repr(text)

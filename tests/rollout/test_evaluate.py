@@ -133,7 +133,7 @@ def test_transcripts_are_written_shown_and_read_back(chatml_tok, tmp_path: Path)
     assert "judge crashed" in rows[1]["error"] and rows[3]["reply"] == ""
     lines = out.getvalue().splitlines()  # the first two, one line each
     assert lines == [
-        "eval sample 0 (step 20): reward 1.000 stop | 'user\\nhi\\nassistant' -> 'answer 5'",
+        "eval sample 0 (step 20): reward 1.000 stop | 'user\\nhi\\nassistant\\n' -> 'answer 5'",
         lines[1],
     ]
     assert lines[1].startswith("eval sample 1 (step 20): reward 0.000 env_error (")

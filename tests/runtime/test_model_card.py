@@ -67,10 +67,11 @@ def test_the_final_export_carries_a_model_card(tmp_path: Path, tiny_policy: Path
     ]
     last = samples[-3:]
     assert "## What the replies look like" in card
-    assert "The first 3 of 3 held-out episodes of the last evaluation (step 5;" in card
+    assert "The first 3 held-out episodes of the last evaluation (step 5; the run's" in card
     for r in last:
         assert f"Episode {r['index']}: reward {r['reward']:.3f}, `{r['finish_reason']}`" in card
-        assert f"```text\n{r['prompt'].strip()}\n```\n\n```text\n{r['reply'].strip()}\n```" in card
+        reply = r["reply"].strip() or f"(no visible text: {r['reply']!r})"
+        assert f"```text\n{r['prompt'].strip()}\n```\n\n```text\n{reply}\n```" in card
 
 
 def test_a_stopped_card_says_why_after_the_last_step() -> None:
@@ -94,7 +95,7 @@ def test_the_card_quotes_replies_in_fences_that_hold_them() -> None:
         Transcript(9, i, f"user\nWhat is 16 - 45? ({i})", reply, 1.0, "stop") for i in range(5)
     ]
     card = model_card(cfg, [{"step": 9.0, "eval/success": 1.0}], samples=samples)
-    assert "The first 3 of 5 held-out episodes of the last evaluation (step 9;" in card
+    assert "(step 9; the run's `eval_samples.jsonl` holds 5 of them):" in card
     assert "Episode 2: reward 1.000, `stop`" in card and "Episode 3:" not in card
     assert f"````text\n{reply}\n````" in card  # a fence one backtick longer than the reply's
 
