@@ -57,8 +57,10 @@ def _train(args: argparse.Namespace) -> int:
 def _eval(args: argparse.Namespace) -> int:
     import yaml
 
-    from sao.app.warmstart import held_out_success
+    from sao.app.warmstart import held_out
 
+    if args.show < 0:
+        raise ConfigError(f"--show {args.show}: use 0 or more held-out transcripts to print")
     target = Path(args.target)
     if (target / "final").is_dir():  # a run directory
         cfg = validate(yaml.safe_load((target / "config.yaml").read_text()))
@@ -68,7 +70,7 @@ def _eval(args: argparse.Namespace) -> int:
         model_dir = target
     options = {"seed": cfg.seed, **cfg.task.options}
     r = cfg.rollout
-    success = held_out_success(
+    success, shown = held_out(
         model_dir,
         cfg.task.name,
         options,
@@ -76,7 +78,10 @@ def _eval(args: argparse.Namespace) -> int:
         max_new_tokens=r.max_new_tokens,
         max_turns=r.max_turns,
         max_total_tokens=r.max_total_tokens,
+        show=args.show,
     )
+    for t in shown:  # before the JSON line, which stays last
+        print(t.block())
     print(json.dumps({"model": str(model_dir), "task": cfg.task.name, "eval/success": success}))
     return 0
 
@@ -244,6 +249,13 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="held-out success of a run directory or checkpoint")
     p.add_argument("target", help="RUN_DIR or a Hugging Face checkpoint directory")
     p.add_argument("--episodes", type=int, default=200)
+    p.add_argument(
+        "--show",
+        type=int,
+        default=0,
+        metavar="N",
+        help="print the transcripts (prompt, reply, reward) of the first N held-out episodes",
+    )
     _add_config_args(p)
     p.set_defaults(func=_eval)
     p = sub.add_parser("check", help="compare engine and trainer log-probabilities")

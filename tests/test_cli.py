@@ -181,3 +181,19 @@ def test_another_task_does_not_inherit_the_presets_task_options() -> None:
     cfg = load_config(overrides=["task.name=dataset", "task.options.path=x.jsonl"])
     assert cfg.task.options == {"path": "x.jsonl"}
     assert cfg.train.steps == 100  # the rest of the preset still applies
+
+
+def test_eval_show_prints_transcripts_before_the_json_line(
+    tiny_policy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    task = ["--set", "task.name=guess_number", "--set", "rollout.max_new_tokens=4"]
+    assert main(["eval", str(tiny_policy), "--episodes", "3", "--show", "2", *task]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    result = json.loads(lines[-1])  # the JSON line stays last
+    assert result["task"] == "guess_number" and 0.0 <= result["eval/success"] <= 1.0
+    headers = [x for x in lines if x.startswith("eval sample ")]
+    assert [h.split(":")[0] for h in headers] == ["eval sample 0", "eval sample 1"]
+    assert lines[1] == "  prompt:" and "  reply:" in lines
+    assert main(["eval", str(tiny_policy), "--episodes", "1", *task]) == 0
+    assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval sample")]
+    assert "--show -1: use 0 or more" in fails(capsys, ["eval", str(tiny_policy), "--show", "-1"])

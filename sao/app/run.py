@@ -50,6 +50,7 @@ from sao.runtime.orchestrator import Orchestrator, Report, RolloutState
 from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
 from sao.runtime.trainers import LocalTrainer, TrainerHandle
+from sao.runtime.transcripts import EVAL_SAMPLES, EvalSamples, last_evaluation
 from sao.train.trainer import NonFiniteError
 from sao.types import Trajectory
 
@@ -175,6 +176,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
         config=to_dict(cfg),
     )
     ledger = Ledger.open(run_dir, enabled=cfg.log.ledger, start_step=restored[1])
+    samples = EvalSamples(run_dir, p.tokenizer, cfg.log.eval_samples, logger)
     try:
         async with _rollout(p, handle, run_dir, restored[2], task) as (runner, publish, engine):
             report = FailureLog(run_dir / FAILURES, logger.print)
@@ -197,12 +199,12 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
             if ckpt is None:
                 budget, prints = p.cfg.train.logprob_budget, logger.print
                 await logprob_gate(budget, p.sampling, handle, runner, engine, prints)
-                logger.log(0, {"wall_s": 0.0, **await _eval(p, runner)})
+                logger.log(0, {"wall_s": 0.0, **await _eval(p, runner, samples, 0)})
 
             async def on_step(step: int, m: dict[str, float]) -> None:
                 m["wall_s"] = orch.clock.elapsed()
                 if step % cfg.eval.every == 0 or step == total:
-                    m |= await _eval(p, runner)
+                    m |= await _eval(p, runner, samples, step)
                 logger.log(step, m)
                 ledger.trained(step, gate.rejected)
                 if step % cfg.log.checkpoint_every == 0 or step == total:
@@ -222,7 +224,14 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
                     on_step=on_step,
                 )
             except NonFiniteError as e:  # bad updates were never applied: export what is left
-                await export_final(handle, run_dir / "final", cfg, logger.history, stopped=str(e))
+                await export_final(
+                    handle,
+                    run_dir / "final",
+                    cfg,
+                    logger.history,
+                    stopped=str(e),
+                    samples=last_evaluation(run_dir / EVAL_SAMPLES),
+                )
                 raise
         logger.close()
         await _finish(p, handle, run_dir, logger.history)
@@ -281,10 +290,14 @@ async def _rollout(
             await endpoint.close()
 
 
-async def _eval(p: Parts, runner: EpisodeRunner) -> dict[str, float]:
+async def _eval(
+    p: Parts, runner: EpisodeRunner, samples: EvalSamples, step: int
+) -> dict[str, float]:
+    """Held-out evaluation at ``step``: its metrics; its transcripts go to ``samples``."""
     r = await evaluate(
         runner, episodes=p.cfg.eval.episodes, max_new_tokens=p.cfg.rollout.max_new_tokens
     )
+    samples.record(step, r.trajectories)
     return r.metrics()
 
 
@@ -353,5 +366,6 @@ async def _finish(
     from its last checkpoint, at the final step, and only finishes)."""
     if p.cfg.log.plots:
         write_plots(history, run_dir)
-    await export_final(handle, run_dir / "final", p.cfg, history)
+    shown = last_evaluation(run_dir / EVAL_SAMPLES)
+    await export_final(handle, run_dir / "final", p.cfg, history, samples=shown)
     write_text_atomic(run_dir / "summary.json", json.dumps(summarize(history), indent=2) + "\n")

@@ -21,8 +21,9 @@ from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
 from sao.rollout.agent import EpisodeLimits
 from sao.rollout.embedded.engine import TorchEngine
-from sao.runtime.evaluate import evaluate
+from sao.runtime.evaluate import EvalResult, evaluate
 from sao.runtime.runner import LocalRunner
+from sao.runtime.transcripts import Transcript, transcripts
 
 
 @dataclass(frozen=True)
@@ -134,15 +135,39 @@ def held_out_success(
     max_total_tokens: int = 320,
 ) -> float:
     """Greedy held-out success of a policy directory on a built-in task."""
+    success, _ = held_out(
+        model_dir,
+        task_name,
+        options,
+        episodes=episodes,
+        max_new_tokens=max_new_tokens,
+        max_turns=max_turns,
+        max_total_tokens=max_total_tokens,
+    )
+    return success
+
+
+def held_out(
+    model_dir: Path,
+    task_name: str,
+    options: dict[str, Any] | None = None,
+    *,
+    episodes: int = 200,
+    max_new_tokens: int = 32,
+    max_turns: int = 6,
+    max_total_tokens: int = 320,
+    show: int = 0,
+) -> tuple[float, list[Transcript]]:
+    """:func:`held_out_success` and the transcripts of the first ``show`` episodes."""
     task = make_task(task_name, **(options or {}))
     tokenizer = load_tokenizer(model_dir)
     model = load_policy(model_dir)
     limits = EpisodeLimits(max_turns=max_turns, max_total_tokens=max_total_tokens)
 
-    async def go() -> float:
+    async def go() -> EvalResult:
         with TorchEngine(model, max_batch_size=64, tokenizer=tokenizer) as engine:
             runner = LocalRunner(task, engine, tokenizer, limits)
-            res = await evaluate(runner, episodes=episodes, max_new_tokens=max_new_tokens)
-        return res.success
+            return await evaluate(runner, episodes=episodes, max_new_tokens=max_new_tokens)
 
-    return asyncio.run(go())
+    res = asyncio.run(go())
+    return res.success, transcripts(res.trajectories, tokenizer, step=0, limit=show)

@@ -359,6 +359,11 @@ class LogConfig(_Section):
     ledger.jsonl (an audit trail: no trajectory trained twice or lost across resumes)."""
     plots: bool = True
     """PNG plots at the end of the run."""
+    eval_samples: NonNegativeInt | None = None
+    """Held-out transcripts each evaluation appends to RUN_DIR/eval_samples.jsonl (step,
+    episode index, prompt, reply, reward, finish reason): the first this many episodes;
+    None: all of them; 0: none. The console shows the first 2, W&B a table (eval/samples),
+    the model card a few of the last evaluation."""
 
 
 class Config(_Section):

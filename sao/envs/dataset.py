@@ -15,10 +15,15 @@ An episode::
 
 Scorers (``scorer``): ``"math"`` (math-verify equivalence of the final answer
 and the reference: ``\\boxed{1/2}`` matches ``0.5``), ``"exact"`` (normalised
-text equality) or any callable ``(response, answer) -> float``. The final
-answer is what follows the last line starting with ``answer``, else the last
-``\\boxed{...}``, else an ``<answer>`` tag, else the whole reply
-(:func:`extract_answer`). A scorer that raises, or returns something that is
+text equality) or any callable ``(response, answer) -> float`` (given the whole
+reply). The final answer comes from a marker: what follows the last line
+starting with ``answer``, else the last ``\\boxed{...}``, else an ``<answer>``
+tag (:func:`~sao.envs.answers.extract_answer`); a reply without one scores 0
+and reports ``metric/format/missing_answer``. ``require_marker=False`` scores
+the whole reply instead, which a policy can game by echoing the question's
+computation (``16 - 45`` for ``What is 16 - 45?``); ``require_value=False``
+lets ``"math"`` accept an expression for a numeric reference (both in
+:mod:`sao.envs.answers`). A scorer that raises, or returns something that is
 not a finite number, gives reward 0 and its reason in the step's ``info``.
 """
 
@@ -28,15 +33,15 @@ import json
 import math
 import numbers
 import random
-import re
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from sao.envs._split import stable_hash
 from sao.envs._state import expect_same, read, read_optional
 from sao.envs._tools import as_observation
+from sao.envs.answers import MISSING_ANSWER, exact_score, extract_answer, math_score
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 
 __all__ = [
@@ -55,9 +60,6 @@ Scorer = Callable[[str, str], float]
 """``(response, reference answer) -> reward``."""
 Prompt = str | tuple[Message, ...]
 INSTRUCTION = "Finish with 'answer X'."
-_ANSWER_LINE = re.compile(r"^[ \t]*answer\b[ \t]*:?(?![ \t]*=)[ \t]*", re.IGNORECASE | re.MULTILINE)
-_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
-_MAX_ANSWER_CHARS = 2000
 _SCALE = 1_000_000
 
 
@@ -74,67 +76,6 @@ class Example:
         if isinstance(self.prompt, str):
             return self.prompt
         return "\n".join(f"{m.role}: {m.content}" for m in self.prompt)
-
-
-def _last_boxed(text: str) -> str | None:
-    """Content of the last ``\\boxed{...}`` (braces balanced), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1 : j]
-    return None
-
-
-def extract_answer(response: str) -> str:
-    """The final answer in a reply (see module docstring for the order)."""
-    matches = list(_ANSWER_LINE.finditer(response))
-    text = response[matches[-1].end() :] if matches else response
-    boxed = _last_boxed(text)
-    if boxed is not None:
-        return boxed.strip()
-    if not matches:
-        tags = _TAG.findall(response)
-        if tags:
-            return tags[-1].strip()
-    return text.strip()
-
-
-def _normalize(text: str) -> str:
-    text = text.strip().strip("$").strip().rstrip(".").strip().strip("`'\"*").strip()
-    return " ".join(text.lower().split())
-
-
-def exact_score(response: str, answer: str) -> float:
-    """1.0 iff the reply's final answer equals ``answer`` after normalisation
-    (case, spaces, surrounding quotes or ``$``, a final full stop)."""
-    return 1.0 if _normalize(extract_answer(response)) == _normalize(answer) else 0.0
-
-
-def math_score(response: str, answer: str) -> float:
-    """1.0 iff math-verify finds the reply's final answer equivalent to ``answer``.
-
-    math-verify's own timeouts use ``SIGALRM``, which only works on the main
-    thread; elsewhere they are off and answers are capped in length instead.
-    """
-    from math_verify import parse, verify  # optional dependency, imported on use
-
-    main = threading.current_thread() is threading.main_thread()
-    timeout = 5 if main else None
-
-    def parsed(text: str) -> list[object]:
-        return parse(text[:_MAX_ANSWER_CHARS], parsing_timeout=timeout)
-
-    gold = parsed(answer)
-    if not gold:
-        raise ValueError(f"math-verify cannot parse the reference answer {answer[:80]!r}")
-    pred = parsed(extract_answer(response))
-    if not pred:
-        return 0.0
-    return 1.0 if verify(gold, pred, timeout_seconds=timeout) else 0.0
 
 
 def safe_score(scorer: Callable[[], object]) -> tuple[float, str | None]:
@@ -272,7 +213,10 @@ class DatasetEnv:
             return StepResult(None, done=True, info={"error": "episode is over"})
         self.done = True
         self.reward, self.error = safe_score(lambda: self.scorer(action, self.example.answer))
-        info: dict[str, float | int | str] = {"reward": self.reward}
+        info: dict[str, float | int | str] = {
+            "reward": self.reward,
+            MISSING_ANSWER: float(extract_answer(action) is None),
+        }
         if self.error is not None:
             info["error"] = self.error
         return StepResult(None, done=True, info=info)
@@ -300,10 +244,14 @@ class DatasetEnv:
         self.done = read(state, "done", bool)
 
 
-def _resolve_scorer(scorer: str | Scorer) -> Scorer:
+def _resolve_scorer(scorer: str | Scorer, *, require_marker: bool, require_value: bool) -> Scorer:
+    """The scorer named ``scorer`` with the task's answer rules, or the callable itself."""
     if callable(scorer):
         return scorer
-    named: dict[str, Scorer] = {"math": math_score, "exact": exact_score}
+    named: dict[str, Scorer] = {
+        "math": partial(math_score, require_marker=require_marker, require_value=require_value),
+        "exact": partial(exact_score, require_marker=require_marker),
+    }
     if scorer not in named:
         raise ValueError(
             f"DatasetTask option scorer: {scorer!r} is not 'math', 'exact' or a callable "
@@ -333,6 +281,13 @@ class DatasetTask:
     ``eval_limit`` caps the eval split. ``instruction`` is appended to each
     prompt (None for none); ``system`` is an optional system message;
     ``error_rate`` is the share of demonstrations with a wrong answer.
+
+    For the named scorers: ``require_marker`` (default True) scores a reply
+    without an ``answer`` line, ``\\boxed{}`` or ``<answer>`` tag 0; False
+    scores the whole reply, which a policy can game by echoing a computation
+    the question contains. ``require_value`` (default True) scores 0 an
+    expression (``16 - 45``) given for a numeric reference (``-29``); set it
+    False when a dataset's numeric answers may be written as expressions.
     """
 
     name = "dataset"
@@ -352,12 +307,18 @@ class DatasetTask:
         instruction: str | None = INSTRUCTION,
         system: str | None = None,
         error_rate: float = 0.3,
+        require_marker: bool = True,
+        require_value: bool = True,
         seed: int = 0,
     ) -> None:
         _check(0.0 < eval_fraction < 1.0, "eval_fraction", "use a value in (0, 1)")
         _check(eval_limit is None or eval_limit >= 1, "eval_limit", "use None or 1 or more")
         _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
-        self.scorer = _resolve_scorer(scorer)
+        _check(isinstance(require_marker, bool), "require_marker", "use true or false")
+        _check(isinstance(require_value, bool), "require_value", "use true or false")
+        self.scorer = _resolve_scorer(
+            scorer, require_marker=require_marker, require_value=require_value
+        )
         keys = {"prompt_key": prompt_key, "answer_key": answer_key}
         train = load_examples(train_path, split=train_split, option="train_path", **keys)
         if eval_path is not None:

@@ -1,10 +1,12 @@
 """``reasoning_gym``: any reasoning-gym dataset as a single-turn task.
 
 The prompt is the entry's question plus a short instruction; the reply's
-final answer (:func:`sao.envs.dataset.extract_answer`: what follows the last
-``answer`` line, else a ``\\boxed{}`` or ``<answer>`` tag, else the whole
-reply) is scored by the dataset's own ``score_answer(answer, entry)``. An
-episode::
+final answer (:func:`sao.envs.answers.extract_answer`: what follows the last
+``answer`` line, else a ``\\boxed{}`` or ``<answer>`` tag) is scored by the
+dataset's own ``score_answer(answer, entry)``. A reply without a marker
+scores 0 and reports ``metric/format/missing_answer``; ``require_marker=False``
+scores the whole reply instead (open to echoing the question's computation,
+see :mod:`sao.envs.answers`). An episode::
 
     user:      Calculate 5 - 3 - 6.
                Finish with 'answer X'.
@@ -26,8 +28,9 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from sao.envs._state import expect_same, read, read_optional
+from sao.envs.answers import MISSING_ANSWER, extract_answer
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
-from sao.envs.dataset import INSTRUCTION, answer_demo, extract_answer, safe_score, wrong_answer
+from sao.envs.dataset import INSTRUCTION, answer_demo, safe_score, wrong_answer
 
 __all__ = ["ReasoningGymEnv", "ReasoningGymTask", "dataset_names"]
 
@@ -75,11 +78,13 @@ class ReasoningGymEnv:
         *,
         instruction: str | None,
         system: str | None,
+        require_marker: bool = True,
     ) -> None:
         self.entry = entry
         self.dataset = dataset
         self.instruction = instruction
         self.system = system
+        self.require_marker = require_marker
         self.reward = 0.0
         self.error: str | None = None
         self.done = False
@@ -107,11 +112,16 @@ class ReasoningGymEnv:
         if self.done:
             return StepResult(None, done=True, info={"error": "episode is over"})
         self.done = True
-        answer = extract_answer(action)
-        self.reward, self.error = safe_score(
-            lambda: self.dataset.score_answer(answer=answer, entry=self.entry)
-        )
-        info: dict[str, float | int | str] = {"reward": self.reward}
+        answer = extract_answer(action, require_marker=self.require_marker)
+        self.reward, self.error = 0.0, None
+        if answer is not None:
+            self.reward, self.error = safe_score(
+                lambda: self.dataset.score_answer(answer=answer, entry=self.entry)
+            )
+        info: dict[str, float | int | str] = {
+            "reward": self.reward,
+            MISSING_ANSWER: float(extract_answer(action) is None),
+        }
         if self.error is not None:
             info["error"] = self.error
         return StepResult(None, done=True, info=info)
@@ -141,8 +151,10 @@ class ReasoningGymTask:
     """A reasoning-gym dataset by name (``dataset``), with ``config`` passed
     to ``create_dataset``; ``train_size`` entries before the train split wraps
     around, ``eval_size`` held-out entries; ``instruction`` appended to each
-    question (None for none), an optional ``system`` message, and
-    ``error_rate`` the share of demonstrations with a wrong answer."""
+    question (None for none), an optional ``system`` message,
+    ``error_rate`` the share of demonstrations with a wrong answer, and
+    ``require_marker`` (False: a reply without an answer marker is scored
+    whole, see :mod:`sao.envs.answers`)."""
 
     name = "reasoning_gym"
 
@@ -157,7 +169,9 @@ class ReasoningGymTask:
         instruction: str | None = INSTRUCTION,
         system: str | None = None,
         error_rate: float = 0.3,
+        require_marker: bool = True,
     ) -> None:
+        _check(isinstance(require_marker, bool), "require_marker", "use true or false")
         _check(train_size >= 1, "train_size", "use 1 or more")
         _check(eval_size >= 1, "eval_size", "use 1 or more")
         _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
@@ -177,6 +191,7 @@ class ReasoningGymTask:
         self._eval_size = eval_size
         self._eval_questions: set[str] | None = None
         self.instruction, self.system, self.error_rate = instruction, system, error_rate
+        self.require_marker = require_marker
 
     def _create(self, seed: int, size: int) -> GymDataset:
         import reasoning_gym  # optional dependency, imported on use
@@ -221,7 +236,11 @@ class ReasoningGymTask:
         """A fresh environment for entry ``index`` of ``split``."""
         data = self.eval_data if split == "eval" else self.train_data
         return ReasoningGymEnv(
-            self.entry(split, index), data, instruction=self.instruction, system=self.system
+            self.entry(split, index),
+            data,
+            instruction=self.instruction,
+            system=self.system,
+            require_marker=self.require_marker,
         )
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:

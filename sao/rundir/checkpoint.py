@@ -39,6 +39,7 @@ from sao.rundir.failures import FAILURES
 from sao.rundir.ledger import LEDGER
 from sao.rundir.manifest import MANIFEST, manifest_problem, write_manifest
 from sao.rundir.metrics import read_jsonl, write_jsonl
+from sao.runtime.transcripts import EVAL_SAMPLES
 from sao.types import SamplingParams, Trajectory, Turn
 
 
@@ -322,8 +323,8 @@ def resume_point(run_dir: Path, cfg: Config) -> tuple[Config, Path | None]:
 
     Only :data:`RESUMABLE_KEYS` may differ from the saved config (e.g. a larger
     ``train.steps``). Rows logged after that checkpoint are removed from
-    ``metrics.jsonl``, ``ledger.jsonl`` and ``failures.jsonl`` (all of them when starting
-    over):
+    ``metrics.jsonl``, ``ledger.jsonl``, ``failures.jsonl`` and ``eval_samples.jsonl``
+    (all of them when starting over):
     those steps run again, so no step number appears twice."""
     saved = _flat(to_dict(saved_config(run_dir)))
     given = _flat(to_dict(cfg))
@@ -348,7 +349,7 @@ def resume_point(run_dir: Path, cfg: Config) -> tuple[Config, Path | None]:
     else:
         step = int(json.loads((ckpt / "state.json").read_text())["step"])
         print(f"resume: continuing {run_dir} from checkpoint {ckpt.name}")
-    for name in ("metrics.jsonl", LEDGER, FAILURES):
+    for name in ("metrics.jsonl", LEDGER, FAILURES, EVAL_SAMPLES):
         rewind_metrics(run_dir / name, step)
     log = cfg.log.model_copy(update={"run_dir": str(run_dir)})
     return cfg.model_copy(update={"log": log}), ckpt

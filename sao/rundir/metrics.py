@@ -108,6 +108,18 @@ class RunLogger:
         """A line above the live view (or between the plain lines)."""
         self.view.print(message)
 
+    def table(self, key: str, step: int, rows: list[dict[str, object]]) -> None:
+        """Rows of text (e.g. held-out transcripts) as a W&B table named ``key`` at
+        ``step``, when W&B is on; the columns are the first row's keys."""
+        if self._wandb is None or not rows:
+            return
+        import wandb
+
+        names = list(rows[0])
+        data = [[r.get(c) for c in names] for r in rows]
+        columns: list[str | int] = list(names)
+        self._wandb.log({key: wandb.Table(columns=columns, data=data)}, step=step)
+
     def close(self, *, failed: bool | None = None) -> None:
         """Flush and close every sink (again: nothing happens). ``failed`` marks
         the MLflow run FAILED rather than FINISHED; None: whether an exception is
@@ -158,7 +170,9 @@ class LiveView:
             self._progress.update(self._task, completed=step, info=headline(row))
 
     def print(self, message: str) -> None:
-        self.console.print(message)
+        # as it is: "[max_lag 1]" or a reply's "[cute]" is text, not rich markup; long lines
+        # are left to the terminal to wrap (copied, they stay one line)
+        self.console.print(message, markup=False, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

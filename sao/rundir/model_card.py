@@ -5,6 +5,8 @@ wherever it is copied."""
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,12 +15,17 @@ import yaml
 from sao.config import Config, to_dict
 from sao.rundir.checkpoint import write_text_atomic
 from sao.rundir.metrics import summarize
+from sao.runtime.transcripts import EVAL_SAMPLES, Transcript
 
 if TYPE_CHECKING:
     from sao.runtime.trainers import TrainerHandle
 
 CARD = "README.md"
 """The model card's file name in the export."""
+CARD_SAMPLES = 3
+"""Held-out transcripts of the last evaluation quoted in the card."""
+CARD_CHARS = 1000
+"""Characters of a quoted prompt (its end) or reply (its start)."""
 
 
 async def export_final(
@@ -28,19 +35,30 @@ async def export_final(
     history: list[dict[str, float]],
     *,
     stopped: str | None = None,
+    samples: Sequence[Transcript] = (),
 ) -> None:
     """The trained policy and tokenizer (``handle.export``, atomically), then
     its model card (atomically too: a kill between the two leaves a policy
     without a card, which finishing the run by resuming exports again).
-    ``stopped``: why the run ended early (the card says so)."""
+    ``stopped``: why the run ended early (the card says so); ``samples``: the
+    last evaluation's transcripts (the card quotes a few)."""
     await handle.export(directory)
-    write_text_atomic(directory / CARD, model_card(cfg, history, stopped=stopped))
+    card = model_card(cfg, history, stopped=stopped, samples=samples)
+    write_text_atomic(directory / CARD, card)
 
 
-def model_card(cfg: Config, history: list[dict[str, float]], *, stopped: str | None = None) -> str:
+def model_card(
+    cfg: Config,
+    history: list[dict[str, float]],
+    *,
+    stopped: str | None = None,
+    samples: Sequence[Transcript] = (),
+) -> str:
     """The card's Markdown: YAML front matter (Hub metadata), the task and
     algorithm, steps and trajectories trained, first/last/best held-out
-    success (from ``history``, the rows of ``metrics.jsonl``) and the config."""
+    success (from ``history``, the rows of ``metrics.jsonl``), what the
+    replies look like (the first :data:`CARD_SAMPLES` of ``samples``) and the
+    config."""
     algo = cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps
     summary = summarize(history)
@@ -83,6 +101,7 @@ def model_card(cfg: Config, history: list[dict[str, float]], *, stopped: str | N
         f"| wall time | {summary['wall_s']:.1f} s |",
         "",
         *_held_out(cfg, history),
+        *_replies(samples),
         "## Configuration",
         "",
         "The resolved configuration (the run's `config.yaml`):",
@@ -112,3 +131,35 @@ def _held_out(cfg: Config, history: list[dict[str, float]]) -> list[str]:
     for name, (step, value) in (("first", evals[0]), ("last", evals[-1]), ("best", best)):
         out.append(f"| {name} | {step} | {value:.3f} |")
     return [*out, ""]
+
+
+def _replies(samples: Sequence[Transcript]) -> list[str]:
+    """The section quoting the first :data:`CARD_SAMPLES` held-out transcripts."""
+    out = ["## What the replies look like", ""]
+    if not samples:
+        return [*out, "No held-out transcripts were recorded (`log.eval_samples`).", ""]
+    shown = samples[:CARD_SAMPLES]
+    out += [
+        f"The first {len(shown)} held-out episodes of the last evaluation (step "
+        f"{shown[0].step}; the run's `{EVAL_SAMPLES}` holds {len(samples)} of them):",
+        "",
+    ]
+    for t in shown:
+        prompt = t.prompt if len(t.prompt) <= CARD_CHARS else "..." + t.prompt[-CARD_CHARS:]
+        reply = t.reply if len(t.reply) <= CARD_CHARS else t.reply[:CARD_CHARS] + "..."
+        error = f", {' '.join(t.error.split())}" if t.error else ""
+        out += [
+            f"Episode {t.index}: reward {t.reward:.3f}, `{t.finish_reason}`{error}",
+            "",
+            *_fenced(prompt.strip()),
+            "",
+            *_fenced(reply.strip() or f"(no visible text: {reply!r})"),
+            "",
+        ]
+    return out
+
+
+def _fenced(text: str) -> list[str]:
+    """``text`` in a code fence longer than any run of backticks it holds."""
+    fence = "`" * max(3, 1 + max((len(m) for m in re.findall(r"`+", text)), default=0))
+    return [f"{fence}text", text, fence]

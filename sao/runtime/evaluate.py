@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -37,6 +37,8 @@ class EvalResult:
     reported: dict[str, float] = field(default_factory=dict)
     """Mean of each ``metric/NAME`` the environments reported (``StepResult.info``),
     over the episodes that reported it; logged as ``eval/NAME``."""
+    trajectories: tuple[Trajectory, ...] = field(default=(), repr=False)
+    """The episodes, held-out episode ``i`` at position ``i`` (for transcripts)."""
 
     def metrics(self) -> dict[str, float]:
         """``eval/...`` metrics of a run."""
@@ -79,11 +81,14 @@ async def evaluate(
         mean_turns=sum(t.num_turns for t in trajs) / max(n, 1),
         timeouts=reasons["timeout"],
         errors=reasons["error"],
-        reported=_reported(trajs),
+        reported=reported_means(trajs),
+        trajectories=tuple(trajs),
     )
 
 
-def _reported(trajs: list[Trajectory]) -> dict[str, float]:
+def reported_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Mean of each ``metric/NAME`` entry of ``trajs``' metrics (what their
+    environments reported), over the trajectories that hold it."""
     values: dict[str, list[float]] = {}
     for t in trajs:
         for k, v in t.metrics.items():

@@ -27,6 +27,7 @@ from sao.rollout.remote.router import NoLiveEngineError
 from sao.rollout.resume import EpisodeResume
 from sao.runtime.admission import JustInTime
 from sao.runtime.buffer import TrajectoryBuffer
+from sao.runtime.evaluate import reported_means
 from sao.runtime.runner import EpisodeRunner, Played, samples
 from sao.runtime.staleness import StalenessGate
 from sao.types import FAILURES, SamplingParams, Trajectory, failed_trajectory
@@ -418,11 +419,14 @@ class Orchestrator:
         throughput and idle fractions; ``tito/mismatch_frac`` and
         ``tito/rewrite_frac``: shares of the episodes checked since the start of
         the run that failed the token-in/token-out check or whose template
-        rewrote a reply (:mod:`sao.rollout.tito`)."""
+        rewrote a reply (:mod:`sao.rollout.tito`); and ``NAME``, the batch's mean
+        of each ``metric/NAME`` its environments reported (``format/missing_answer``)."""
         lags = [self.gate.lag(t, taken_at) for t in batch]
         wall = max(self.clock.elapsed(), 1e-9)
+        reported = {k.removeprefix("metric/"): v for k, v in reported_means(batch).items()}
         return (
-            {
+            reported
+            | {
                 "staleness/mean": sum(lags) / max(len(lags), 1),
                 "staleness/max": float(max(lags, default=0)),
                 "dropped/stale": float(self.gate.dropped),

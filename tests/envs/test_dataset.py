@@ -186,3 +186,29 @@ def test_demonstrations_are_imperfect(tmp_path: Path) -> None:
         truth = str(2 * int(prompt.split("+")[0]))
         right += exact_score(demo[-1].content, truth) == 1.0
     assert 50 < right < 95
+
+
+def test_echo_scores_zero_and_counts_a_missing_answer(tmp_path: Path) -> None:
+    rows = [{"prompt": "What is 16 - 45?", "answer": "-29"}] * 2
+    path = write_jsonl(tmp_path / "t.jsonl", rows)
+    task = DatasetTask(path, path)
+    score, info = reply(task, "eval", 0, "16 - 45")
+    assert score == 0.0 and info["metric/format/missing_answer"] == 1.0
+    score, info = reply(task, "eval", 0, "answer 16 - 45")
+    assert score == 0.0 and info["metric/format/missing_answer"] == 0.0
+    score, info = reply(task, "eval", 0, "16 - 45 = -29\nanswer -29")
+    assert score == 1.0 and info["metric/format/missing_answer"] == 0.0
+    # both opt-outs together bring the echo back: the documented hazard
+    lax = DatasetTask(path, path, require_marker=False, require_value=False)
+    score, info = reply(lax, "eval", 0, "16 - 45")
+    assert score == 1.0 and info["metric/format/missing_answer"] == 1.0
+    exact = DatasetTask(path, path, scorer="exact", require_marker=False)
+    assert reply(exact, "eval", 0, "-29")[0] == 1.0
+
+
+def test_answer_rule_options_must_be_booleans(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "t.jsonl", ROWS)
+    with pytest.raises(ValueError, match="option require_marker: use true or false"):
+        DatasetTask(path, prompt_key="q", answer_key="a", require_marker="no")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="option require_value: use true or false"):
+        DatasetTask(path, prompt_key="q", answer_key="a", require_value=0)  # type: ignore[arg-type]

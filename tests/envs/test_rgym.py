@@ -33,6 +33,20 @@ def test_reference_answer_scores_one_and_wrong_scores_zero(name: str) -> None:
         assert reply(task, split, index, "answer 123456789")[0] == 0.0
 
 
+def test_a_reply_without_a_marker_scores_zero_and_is_counted() -> None:
+    task = ReasoningGymTask("basic_arithmetic", seed=1, eval_size=3, train_size=10)
+    answer = str(task.entry("eval", 0)["answer"])
+    ep = play(task.make_env("eval", 0), [answer])
+    assert ep.score == 0.0 and ep.results[-1].info["metric/format/missing_answer"] == 1.0
+    ep = play(task.make_env("eval", 0), [f"\\boxed{{{answer}}}"])
+    assert ep.score == 1.0 and ep.results[-1].info["metric/format/missing_answer"] == 0.0
+    lax = ReasoningGymTask(
+        "basic_arithmetic", seed=1, eval_size=3, train_size=10, require_marker=False
+    )
+    ep = play(lax.make_env("eval", 0), [answer])
+    assert ep.score == 1.0 and ep.results[-1].info["metric/format/missing_answer"] == 1.0
+
+
 def test_prompt_is_question_plus_instruction() -> None:
     task = ReasoningGymTask("basic_arithmetic", eval_size=3, train_size=10)
     env = task.make_env("eval", 0)

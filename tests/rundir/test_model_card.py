@@ -15,6 +15,7 @@ import yaml
 from sao.app.run import train
 from sao.config import load_config
 from sao.rundir.model_card import model_card
+from sao.runtime.transcripts import Transcript
 from sao.train.trainer import NonFiniteError
 from tests.train.test_learning import SayATask
 from tests.train.test_nonfinite_run import overrides as diverging
@@ -35,7 +36,7 @@ def test_the_final_export_carries_a_model_card(tmp_path: Path, tiny_policy: Path
             "log.tensorboard=false", "log.plots=false", "train.steps=4", "train.batch_size=4",
             "algo.critic_pretrain_steps=1", "rollout.in_flight=4", "rollout.max_new_tokens=4",
             "rollout.max_turns=1", "rollout.max_total_tokens=64", "eval.every=2",
-            "eval.episodes=4", "log.checkpoint_every=100",
+            "eval.episodes=4", "log.checkpoint_every=100", "log.eval_samples=3",
         ]
     )  # fmt: skip
     train(cfg, task=SayATask())
@@ -59,6 +60,18 @@ def test_the_final_export_carries_a_model_card(tmp_path: Path, tiny_policy: Path
     assert f"| best | {best} | {summary['eval/success_best']:.3f} |" in card
     assert card_yaml(card) == yaml.safe_load((run_dir / "config.yaml").read_text())
     assert not list((run_dir / "final").glob("*.tmp"))
+    # each evaluation's first 3 of 4 episodes; the card quotes the last one's
+    samples = [json.loads(x) for x in (run_dir / "eval_samples.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["index"]) for r in samples] == [
+        (s, i) for s in (0, 2, 4, 5) for i in range(3)
+    ]
+    last = samples[-3:]
+    assert "## What the replies look like" in card
+    assert "The first 3 held-out episodes of the last evaluation (step 5; the run's" in card
+    for r in last:
+        assert f"Episode {r['index']}: reward {r['reward']:.3f}, `{r['finish_reason']}`" in card
+        reply = r["reply"].strip() or f"(no visible text: {r['reply']!r})"
+        assert f"```text\n{r['prompt'].strip()}\n```\n\n```text\n{reply}\n```" in card
 
 
 def test_a_stopped_card_says_why_after_the_last_step() -> None:
@@ -72,6 +85,19 @@ def test_a_stopped_card_says_why_after_the_last_step() -> None:
     assert "| trajectories trained | 64 (32 per step) |" in card  # calc-tiny: batch 32
     assert "| first | 0 | 0.500 |" in card and "| best | 0 | 0.500 |" in card
     assert "No held-out evaluation" in model_card(cfg, [], stopped="x")
+    assert "No held-out transcripts were recorded (`log.eval_samples`)" in card
+
+
+def test_the_card_quotes_replies_in_fences_that_hold_them() -> None:
+    cfg = load_config(overrides=["train.steps=10", "algo.critic_pretrain_steps=0"])
+    reply = "answer -29\n```\nnot the end of the fence\n```"
+    samples = [
+        Transcript(9, i, f"user\nWhat is 16 - 45? ({i})", reply, 1.0, "stop") for i in range(5)
+    ]
+    card = model_card(cfg, [{"step": 9.0, "eval/success": 1.0}], samples=samples)
+    assert "(step 9; the run's `eval_samples.jsonl` holds 5 of them):" in card
+    assert "Episode 2: reward 1.000, `stop`" in card and "Episode 3:" not in card
+    assert f"````text\n{reply}\n````" in card  # a fence one backtick longer than the reply's
 
 
 def test_the_export_of_a_stopped_run_carries_a_card(tmp_path: Path, tiny_policy: Path) -> None:

@@ -101,6 +101,42 @@ def test_wandb_offline_run_holds_the_metrics_and_config(
     assert config["train"] == {"steps": 3, "actor_lr": 0.001}
 
 
+def test_wandb_offline_run_holds_the_eval_samples_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install sao[wandb])")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    for name in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR"):  # nothing in ~
+        monkeypatch.setenv(name, str(tmp_path / "home"))
+    rows: list[dict[str, object]] = [
+        {"step": 2, "index": 0, "prompt": "What is 16 - 45?", "reply": "answer -29",
+         "reward": 1.0, "finish_reason": "stop", "error": None},
+        {"step": 2, "index": 1, "prompt": "What is 2 + 3?", "reply": "2 + 3",
+         "reward": 0.0, "finish_reason": "stop", "error": None},
+    ]  # fmt: skip
+    with RunLogger(tmp_path, total_steps=3, tensorboard=False, wandb_project="t", config=CONFIG,
+                   print_every=0) as logger:  # fmt: skip
+        logger.log(1, {"train/reward_mean": 0.1})
+        logger.table("eval/samples", 2, rows)  # before the step's metrics, as a run does
+        logger.log(2, {"train/reward_mean": 0.2, "eval/success": 0.5})
+        logger.table("eval/samples", 3, [])  # nothing to log
+    (run,) = (tmp_path / "wandb").glob("offline-run-*")
+    history = [
+        {_key(item): json.loads(item.value_json) for item in r.history.item}
+        for r in finished_records(next(run.glob("run-*.wandb")))
+        if r.WhichOneof("record_type") == "history"
+    ]
+    assert [r["_step"] for r in history] == [1, 2]
+    step2 = history[1]  # wandb writes the table's fields as nested keys
+    assert step2["eval/samples._type"] == "table-file" and step2["eval/samples.nrows"] == 2
+    assert step2["eval/success"] == 0.5  # merged into the same step
+    (saved,) = (run / "files").rglob("*.table.json")
+    data = json.loads(saved.read_text())
+    assert data["columns"] == list(rows[0])
+    assert data["data"] == [list(r.values()) for r in rows]
+
+
 @pytest.fixture
 def mlflow_env(monkeypatch: pytest.MonkeyPatch) -> None:
     """No tracking server; and MLFLOW_ALLOW_FILE_STORE, which the logger sets

@@ -83,6 +83,9 @@ def test_resume_skips_a_damaged_checkpoint_and_repairs_torn_logs(
     assert "resume: skipping damaged checkpoint step_000004: trainer.pt has 100 bytes" in out
     assert "from checkpoint step_000002" in out
     assert [r["step"] for r in _metrics(run_dir)] == list(range(6))
+    # the evaluation at step 4 came after the checkpoint used: rewound with the metrics
+    samples = (run_dir / "eval_samples.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in samples] == [0, 0, 5, 5]
     check = check_ledger(run_dir / LEDGER)
     assert check.problems == [] and check.steps == 5 and check.starts == 2
     ckpts = run_dir / "checkpoints"
