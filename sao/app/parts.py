@@ -19,6 +19,7 @@ from sao.envs.latency import LatencyWrapper
 from sao.envs.registry import make_task
 from sao.models.device import DeviceError, resolve_device, resolve_dtype
 from sao.models.freeze import freeze_attention
+from sao.models.gguf import resolve_model_path
 from sao.models.loading import load_policy, load_tokenizer, policy_shell
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
@@ -90,9 +91,10 @@ def build_failure_policy(cfg: Config) -> FailurePolicy:
 
 
 def policy_path(cfg: Config) -> Path:
-    """The configured checkpoint, or the task's cached tiny warm-started policy."""
+    """The configured checkpoint (a ``.gguf`` file: its imported directory), or
+    the task's cached tiny warm-started policy."""
     if cfg.model.path is not None:
-        return Path(cfg.model.path)
+        return resolve_model_path(cfg.model.path)
     options = {"seed": cfg.seed, **cfg.task.options}
     return ensure_policy(cfg.task.name, options, size=cfg.model.tiny_size, seed=cfg.seed)
 
@@ -173,7 +175,12 @@ def load_critic(
         critic = ValueModel.from_pretrained(start_dir / "critic", dtype=dtype, device=device)
     else:
         critic = ValueModel.from_policy(
-            cfg.model.critic_path or policy_path(cfg), dtype=dtype, device=device, seed=cfg.seed
+            resolve_model_path(cfg.model.critic_path)
+            if cfg.model.critic_path
+            else policy_path(cfg),
+            dtype=dtype,
+            device=device,
+            seed=cfg.seed,
         )
     if algo.freeze_critic_attention:
         report = freeze_attention(critic)  # before the optimizer is built (paper section 4)

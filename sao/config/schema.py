@@ -49,10 +49,12 @@ class ModelConfig(_Section):
     model_config = _FINITE
 
     path: str | None = None
-    """Local Hugging Face checkpoint directory of the policy. None: build (or reuse from
+    """Local Hugging Face checkpoint directory of the policy, or a ``.gguf`` file (imported
+    once into the cache as float32, see ``sao models import``). None: build (or reuse from
     the cache) the task's tiny warm-started policy."""
     critic_path: str | None = None
-    """Checkpoint the critic starts from; None: the policy checkpoint (paper)."""
+    """Checkpoint (directory or ``.gguf``) the critic starts from; None: the policy
+    checkpoint (paper)."""
     device: str = "auto"
     """Where the policy, the critic and the embedded engine run: auto (cuda when a CUDA
     device is visible, else cpu), cpu, cuda or cuda:N."""
