@@ -32,8 +32,8 @@ from sao.models.gguf import import_gguf
 from sao.models.loading import load_config as load_model_config
 from sao.models.loading import load_policy, load_tokenizer
 from sao.rollout.agent import EpisodeLimits, run_episode
-from sao.rollout.torch_engine import TorchEngine
-from sao.runtime.run import train
+from sao.rollout.embedded.engine import TorchEngine
+from sao.app.run import train
 from sao.types import SamplingParams
 
 REAL_MODEL = os.environ.get("SAO_REAL_MODEL", "")

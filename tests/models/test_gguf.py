@@ -23,7 +23,7 @@ from sao.models.gguf import GGUFImportError, gguf_architecture, import_gguf, sha
 from sao.models.loading import load_config as load_model_config
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.tokenization import CHAT_TEMPLATE, train_bpe_tokenizer
-from sao.runtime.parts import policy_path
+from sao.app.parts import policy_path
 from tests.models.gguf_files import gguf, tiny_llama, write_header_only, write_llama_gguf
 
 
