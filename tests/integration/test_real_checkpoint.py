@@ -25,6 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from sao.app.run import train
 from sao.cli import main
 from sao.config import load_config
 from sao.envs.registry import make_task
@@ -33,7 +34,6 @@ from sao.models.loading import load_config as load_model_config
 from sao.models.loading import load_policy, load_tokenizer
 from sao.rollout.agent import EpisodeLimits, run_episode
 from sao.rollout.embedded.engine import TorchEngine
-from sao.app.run import train
 from sao.types import SamplingParams
 
 REAL_MODEL = os.environ.get("SAO_REAL_MODEL", "")

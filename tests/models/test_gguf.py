@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
+from sao.app.parts import policy_path
 from sao.cli import main
 from sao.config import load_config
 from sao.models import fetch
@@ -23,7 +24,6 @@ from sao.models.gguf import GGUFImportError, gguf_architecture, import_gguf, sha
 from sao.models.loading import load_config as load_model_config
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.tokenization import CHAT_TEMPLATE, train_bpe_tokenizer
-from sao.app.parts import policy_path
 from tests.models.gguf_files import gguf, tiny_llama, write_header_only, write_llama_gguf
 
 
