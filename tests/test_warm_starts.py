@@ -32,7 +32,7 @@ def test_the_notice_says_what_where_and_how_long(
     monkeypatch.delenv("SAO_HOME", raising=False)
     assert build_notice("calculator") == (
         "building the calculator task's warm-started policy "
-        "(once, then cached in ~/.cache/sao; about 70 s on 2 cores) ..."
+        "(once, then cached in ~/.cache/sao; about 70 s on 2 idle cores, longer on busy ones) ..."
     )
     monkeypatch.setenv("SAO_HOME", str(tmp_path))
     # no measured time for the dataset task, nor for a size other than 1m

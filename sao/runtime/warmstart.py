@@ -80,10 +80,12 @@ def build_notice(task_name: str, size: str = "1m") -> str:
     """The line printed before a warm start is built: what, where, how long.
 
     E.g. ``building the calculator task's warm-started policy (once, then cached
-    in ~/.cache/sao; about 70 s on 2 cores) ...``.
+    in ~/.cache/sao; about 70 s on 2 idle cores, longer on busy ones) ...``.
+    Busy cores slow it far more than their share: 141 s, 431 s and 666 s were
+    measured for the calculator's with other jobs on the 2 cores (load 1-4).
     """
     usual = USUAL_BUILD_S.get(task_name) if size == "1m" else None
-    how_long = f"; about {usual:.0f} s on 2 cores" if usual is not None else ""
+    how_long = f"; about {usual:.0f} s on 2 idle cores, longer on busy ones" if usual else ""
     home = sao_home()
     if home.is_relative_to(Path.home()):
         home = Path("~") / home.relative_to(Path.home())
