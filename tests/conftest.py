@@ -9,6 +9,8 @@ import pytest
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
 
+pytest_plugins = ["tests.warm_starts"]  # warm starts built before the tests, once
+
 
 @pytest.fixture(scope="session")
 def tiny_policy(tmp_path_factory: pytest.TempPathFactory) -> Path:

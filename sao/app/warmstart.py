@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -14,7 +16,7 @@ from typing import Any, Literal
 import torch
 
 from sao.envs.registry import make_task
-from sao.models.cache import build_cached, cached_model_dir
+from sao.models.cache import build_cached, cached_model_dir, sao_home
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.sft import sft
 from sao.models.tiny import build_tiny_policy
@@ -62,6 +64,41 @@ RECIPES: dict[str, WarmStartRecipe] = {
 RECIPE_VERSION = 3
 """Bump when the build procedure changes, so old caches are not reused."""
 
+USUAL_BUILD_S: dict[str, float] = {
+    "calculator": 70,
+    "guess_number": 51,
+    "style_shift": 98,
+    "python_tool": 109,
+    "reasoning_gym": 52,
+    "swe": 473,
+}
+"""Seconds the 1M-parameter warm start of each task took to build on 2 cores
+(BENCHMARKS.md, "Warm-started tiny policies" and swe-tiny): what the line
+printed before a build tells a first-time user to expect."""
+
+
+def build_notice(task_name: str, size: str = "1m") -> str:
+    """The line printed before a warm start is built: what, where, how long.
+
+    E.g. ``building the calculator task's warm-started policy (once, then cached
+    in ~/.cache/sao; about 70 s on 2 idle cores, longer on busy ones) ...``.
+    Busy cores slow it far more than their share: 141 s, 431 s and 666 s were
+    measured for the calculator's with other jobs on the 2 cores (load 1-4).
+    """
+    usual = USUAL_BUILD_S.get(task_name) if size == "1m" else None
+    how_long = f"; about {usual:.0f} s on 2 idle cores, longer on busy ones" if usual else ""
+    home = sao_home()
+    if home.is_relative_to(Path.home()):
+        home = Path("~") / home.relative_to(Path.home())
+    return (
+        f"building the {task_name} task's warm-started policy "
+        f"(once, then cached in {home}{how_long}) ..."
+    )
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
 
 def _recipe(task: str, options: dict[str, Any], size: str, arch: str, seed: int) -> dict[str, Any]:
     r = RECIPES.get(task, WarmStartRecipe())
@@ -91,14 +128,21 @@ def ensure_policy(
     arch: str = "llama",
     seed: int = 0,
     progress: bool = True,
+    say: Callable[[str], None] = _to_stderr,
 ) -> Path:
-    """The warm-started tiny policy for a built-in task: cached, or built now."""
+    """The warm-started tiny policy for a built-in task: cached, or built now.
+
+    A build is announced: ``say`` gets :func:`build_notice` before it and the
+    seconds it took after (stderr by default, so stdout stays the command's
+    own output); a cached policy is returned silently.
+    """
     options = dict(options or {})
     recipe = _recipe(task_name, options, size, arch, seed)
     r = RECIPES.get(task_name, WarmStartRecipe())
 
     def build(tmp: Path) -> None:
         t0 = time.perf_counter()
+        say(build_notice(task_name, size))
         task = make_task(task_name, **options)
         tokenizer = build_char_tokenizer()
         model = build_tiny_policy(tokenizer, arch=arch, size=size, seed=seed)
@@ -120,6 +164,7 @@ def ensure_policy(
         tokenizer.save_pretrained(tmp)
         info = {"sft_final_loss": report.final_loss, "build_s": time.perf_counter() - t0}
         (tmp / "warmstart.json").write_text(json.dumps(info, indent=2) + "\n")
+        say(f"built the {task_name} task's warm-started policy in {info['build_s']:.1f} s")
 
     return build_cached("policy", recipe, build)
 

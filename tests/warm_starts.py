@@ -1,0 +1,113 @@
+"""Warm-started policies built once per test session, before any test runs
+(a pytest plugin, loaded by ``tests/conftest.py``).
+
+A test that needs a tiny preset's cached warm start says so with
+``@pytest.mark.warm_start("calc-tiny")``. After collection, and so only for
+the selected tests (``pytest tests/algo`` builds nothing), each named preset's
+policy is built if the cache lacks it, one line each with its time. That is
+outside every per-test timeout: pytest-timeout times a test's setup, call and
+teardown, and collection is none of them. During the tests, building a warm
+start in the shared cache is an error: a test that would build one under its
+own timeout fails at once, naming the marker it lacks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from sao.config import load_config
+from sao.models.cache import Recipe, sao_home
+
+MARKER = "warm_start"
+FAILED = pytest.StashKey[dict[str, str]]()
+"""Presets whose warm start failed to build before the tests, with the error."""
+
+
+def preset_args(preset: str) -> tuple[str, dict[str, object], str, int]:
+    """``ensure_policy``'s task, options, size and seed for a preset, resolved
+    as :func:`sao.runtime.parts.policy_path` resolves them for ``sao train``."""
+    cfg = load_config(preset)
+    return cfg.task.name, {"seed": cfg.seed, **cfg.task.options}, cfg.model.tiny_size, cfg.seed
+
+
+def needed(items: list[pytest.Item]) -> list[str]:
+    """The presets the items' ``warm_start`` markers name, in first-use order."""
+    presets: dict[str, None] = {}
+    for item in items:
+        for mark in item.iter_markers(MARKER):
+            presets.update(dict.fromkeys(mark.args))
+    return list(presets)
+
+
+def build(preset: str, write: Callable[[str], None]) -> str | None:
+    """Build ``preset``'s warm start if the cache lacks it, saying so on one
+    line either way (``write`` adds no newline: the notice comes before the
+    build, its seconds after it). Returns the error that stopped the build, if
+    any; each test that needs the policy then fails with it."""
+    from sao.runtime.warmstart import build_notice, ensure_policy, policy_dir
+
+    task, options, size, seed = preset_args(preset)
+    path = policy_dir(task, options, size=size, seed=seed)
+    if path.is_dir():
+        write(f"{preset}'s warm-started policy: cached in {path}\n")
+        return None
+    write(f"{preset}: {build_notice(task, size)} ")
+    t0 = time.perf_counter()
+    try:
+        ensure_policy(task, options, size=size, seed=seed, progress=False, say=lambda _: None)
+    except Exception as err:  # reported by each test that needs it
+        write(f"failed after {time.perf_counter() - t0:.1f} s: {err!r}\n")
+        return f"{type(err).__name__}: {err}"
+    write(f"{time.perf_counter() - t0:.1f} s\n")
+    return None
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the warm starts the selected tests need, before the first test."""
+    if session.config.option.collectonly:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def write(text: str) -> None:
+        if reporter is None:
+            print(text, end="", flush=True)
+        else:
+            reporter.write(text, flush=True)
+
+    failed = {}
+    for preset in needed(session.items):
+        if reporter is not None:
+            reporter.ensure_newline()
+        if (error := build(preset, write)) is not None:
+            failed[preset] = error
+    session.config.stash[FAILED] = failed
+
+
+@pytest.fixture(autouse=True)
+def _no_warm_start_build(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fail a test whose marked warm start failed to build, and one that would
+    build a warm start in the shared cache (under its own timeout). A test that
+    points ``SAO_HOME`` at its own folder may build there."""
+    import sao.runtime.warmstart as warmstart
+
+    failed = request.config.stash.get(FAILED, {})
+    for mark in request.node.iter_markers(MARKER):
+        for preset in set(mark.args) & set(failed):
+            pytest.fail(f"{preset}'s warm start failed to build before the tests: {failed[preset]}")
+    shared, real = sao_home(), warmstart.build_cached
+
+    def guarded(kind: str, recipe: Recipe, build: Callable[[Path], None]) -> Path:
+        path = warmstart.cached_model_dir(kind, recipe)
+        if sao_home() == shared and not path.is_dir():
+            raise AssertionError(
+                f"this test would build the {recipe.get('task')} task's warm-started policy "
+                f"under its own timeout; mark it @pytest.mark.{MARKER}(PRESET) (the tiny "
+                "preset whose policy it uses) so that it is built before the tests"
+            )
+        return real(kind, recipe, build)
+
+    monkeypatch.setattr(warmstart, "build_cached", guarded)
