@@ -22,7 +22,7 @@ def readme_agent() -> str:
 
 def test_readme_agent_uses_calc_tinys_warm_start() -> None:
     """The one ``sao train`` builds and ``make test`` builds first: not a second build."""
-    from sao.runtime.warmstart import policy_dir
+    from sao.app.warmstart import policy_dir
     from tests.warm_starts import preset_args
 
     namespace: dict[str, object] = {"__name__": "readme_agent"}

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import sao.runtime.warmstart as warmstart
-from sao.runtime.warmstart import WarmStartRecipe, build_notice, ensure_policy
+import sao.app.warmstart as warmstart
+from sao.app.warmstart import WarmStartRecipe, build_notice, ensure_policy
 from tests import warm_starts
 
 # 8 demonstrations, one epoch of one batch: a real build of the 0.1M or 1M

@@ -29,7 +29,7 @@ FAILED = pytest.StashKey[dict[str, str]]()
 
 def preset_args(preset: str) -> tuple[str, dict[str, object], str, int]:
     """``ensure_policy``'s task, options, size and seed for a preset, resolved
-    as :func:`sao.runtime.parts.policy_path` resolves them for ``sao train``."""
+    as :func:`sao.app.parts.policy_path` resolves them for ``sao train``."""
     cfg = load_config(preset)
     return cfg.task.name, {"seed": cfg.seed, **cfg.task.options}, cfg.model.tiny_size, cfg.seed
 
@@ -48,7 +48,7 @@ def build(preset: str, write: Callable[[str], None]) -> str | None:
     line either way (``write`` adds no newline: the notice comes before the
     build, its seconds after it). Returns the error that stopped the build, if
     any; each test that needs the policy then fails with it."""
-    from sao.runtime.warmstart import build_notice, ensure_policy, policy_dir
+    from sao.app.warmstart import build_notice, ensure_policy, policy_dir
 
     task, options, size, seed = preset_args(preset)
     path = policy_dir(task, options, size=size, seed=seed)
@@ -92,7 +92,7 @@ def _no_warm_start_build(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     """Fail a test whose marked warm start failed to build, and one that would
     build a warm start in the shared cache (under its own timeout). A test that
     points ``SAO_HOME`` at its own folder may build there."""
-    import sao.runtime.warmstart as warmstart
+    import sao.app.warmstart as warmstart
 
     failed = request.config.stash.get(FAILED, {})
     for mark in request.node.iter_markers(MARKER):
