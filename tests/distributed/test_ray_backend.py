@@ -103,9 +103,10 @@ def test_ray_backend_without_ray_says_how_to_install(monkeypatch: pytest.MonkeyP
             raise ImportError("No module named 'ray'")
         return real_import(name, *args, **kwargs)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(builtins, "__import__", no_ray)
-    with pytest.raises(ConfigError, match=r"pip install 'sao\[ray\]'"):
-        _ray()
+    with monkeypatch.context() as patched:  # undone before the fixtures' teardown imports ray
+        patched.setattr(builtins, "__import__", no_ray)
+        with pytest.raises(ConfigError, match=r"pip install 'sao\[ray\]'"):
+            _ray()
 
 
 @pytest.mark.slow
