@@ -95,5 +95,35 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "train": {"actor_lr": 1e-4},
     },
+    "smollm2-arith": {
+        # A real pretrained checkpoint (`sao models fetch smollm2-135m` first): one-digit
+        # sums and differences from reasoning-gym. Three fixed train questions answered
+        # `answer X` come first as chat turns, so the model follows the format from the
+        # start (greedy: 32 of 32 replies have the marker) and what RL can raise is the
+        # arithmetic itself (greedy 11 of 32 right before RL; most misses are signs, `4 - 8`
+        # -> 2). The math scorer gives no partial credit and wants a value.
+        "model": {"path": "smollm2-135m"},
+        "task": {
+            "name": "reasoning_gym",
+            "options": {
+                "dataset": "basic_arithmetic",
+                "config": {
+                    "min_terms": 2,
+                    "max_terms": 2,
+                    "min_digits": 1,
+                    "max_digits": 1,
+                    "operators": ["+", "-"],
+                    "allow_parentheses": False,
+                    "allow_negation": False,
+                },
+                "shots": 3,
+                "scorer": "math",
+                "eval_size": 100,
+            },
+        },
+        "rollout": {"max_turns": 1, "max_new_tokens": 16, "temperature": 0.7},
+        "train": {"steps": 60, "batch_size": 16, "actor_lr": 1e-5, "critic_lr": 5e-5},
+        "eval": {"every": 10, "episodes": 100},
+    },
 }
 """Named starting points; ``calc-tiny`` is the default."""

