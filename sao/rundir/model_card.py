@@ -8,17 +8,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import yaml
 
 from sao.config import Config, to_dict
 from sao.rundir.checkpoint import write_text_atomic
 from sao.rundir.metrics import summarize
-from sao.runtime.transcripts import EVAL_SAMPLES, Transcript
-
-if TYPE_CHECKING:
-    from sao.runtime.trainers import TrainerHandle
+from sao.rundir.transcripts import EVAL_SAMPLES, Transcript
 
 CARD = "README.md"
 """The model card's file name in the export."""
@@ -28,8 +25,17 @@ CARD_CHARS = 1000
 """Characters of a quoted prompt (its end) or reply (its start)."""
 
 
+class Exporter(Protocol):
+    """What writes the trained policy: a trainer handle
+    (:class:`~sao.runtime.trainers.TrainerHandle`) has this method."""
+
+    async def export(self, directory: Path) -> None:
+        """The trained policy and tokenizer in Hugging Face format."""
+        ...
+
+
 async def export_final(
-    handle: TrainerHandle,
+    handle: Exporter,
     directory: Path,
     cfg: Config,
     history: list[dict[str, float]],
