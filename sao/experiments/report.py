@@ -244,8 +244,23 @@ def results_md(
     out += ["> " + line for line in exp.claim.splitlines()] + [""]
     if not runs:
         return "\n".join([*out, "No finished runs yet.", ""])
+    out += _arms_table(exp, runs)
+    out += ["", *recovery_md(exp, runs)] if exp.marks else []
+    out += _overrides_md(exp, overrides)
+    out += code_md(runs)
+    if unfinished:
+        names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
+        out += ["", f"Unfinished runs, not included: {names}."]
+    out.append("")
+    for p in plots:
+        out += [f"![{p.stem}]({p.name})", ""]
+    return "\n".join(out)
+
+
+def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
+    """The comparison, what a cell means, and one row per arm with finished runs."""
     seeds = sorted({r.seed for r in runs})
-    out += [
+    out = [
         _comparison(runs),
         "",
         f"Seeds {', '.join(map(str, seeds))}. Each cell: mean ± sample std over seeds "
@@ -278,29 +293,26 @@ def results_md(
             f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} "
             f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} |"
         )
-    out += ["", *recovery_md(exp, runs)] if exp.marks else []
-    out += ["", "| arm | overrides |", "|---|---|"]
+    return out
+
+
+def _overrides_md(exp: Experiment, overrides: Sequence[str]) -> list[str]:
+    """Each arm's overrides, and what every arm starts from."""
+    out = ["", "| arm | overrides |", "|---|---|"]
     for arm, sets in exp.arms.items():
         out.append(f"| `{arm}` | {' '.join(f'`{s}`' for s in sets) or '(base only)'} |")
 
     def code(items: Sequence[str]) -> str:
         return " ".join(f"`{s}`" for s in items)
 
-    out += [
+    return [
+        *out,
         "",
         f"Every arm: preset `{exp.preset}`"
         + (f", then the experiment's {code(exp.base)}" if exp.base else "")
         + (f", then this directory's `--set` {code(overrides)}" if overrides else "")
         + ". Per run: [results.csv](results.csv); run directories under `runs/ARM/seed-S`.",
     ]
-    out += code_md(runs)
-    if unfinished:
-        names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
-        out += ["", f"Unfinished runs, not included: {names}."]
-    out.append("")
-    for p in plots:
-        out += [f"![{p.stem}]({p.name})", ""]
-    return "\n".join(out)
 
 
 def code_md(runs: Sequence[RunResult]) -> list[str]:

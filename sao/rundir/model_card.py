@@ -65,10 +65,27 @@ def model_card(
     success (from ``history``, the rows of ``metrics.jsonl``), what the
     replies look like (the first :data:`CARD_SAMPLES` of ``samples``) and the
     config."""
-    algo = cfg.algo.resolve()
-    total = cfg.train.steps + algo.critic_pretrain_steps
     summary = summarize(history)
-    steps = int(summary["steps"])
+    lines = [
+        *_front_matter(cfg),
+        *_training(cfg, summary, stopped),
+        *_held_out(cfg, history),
+        *_replies(samples),
+        "## Configuration",
+        "",
+        "The resolved configuration (the run's `config.yaml`):",
+        "",
+        "```yaml",
+        yaml.safe_dump(to_dict(cfg), sort_keys=False).strip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _front_matter(cfg: Config) -> list[str]:
+    """The YAML front matter (Hub metadata), the title and what was trained how."""
+    algo = cfg.algo.resolve()
     start = f"`{cfg.model.path}`" if cfg.model.path else "the task's tiny warm-started policy"
     front = {
         "library_name": "transformers",
@@ -77,7 +94,7 @@ def model_card(
             dict.fromkeys(["sao", "reinforcement-learning", cfg.task.name, cfg.algo.preset])
         ),
     }
-    lines = [
+    return [
         "---",
         yaml.safe_dump(front, sort_keys=False).strip(),
         "---",
@@ -91,6 +108,14 @@ def model_card(
         f"at most {cfg.runtime.max_lag} version(s) of staleness (`runtime.max_lag`).",
         "",
     ]
+
+
+def _training(cfg: Config, summary: dict[str, float], stopped: str | None) -> list[str]:
+    """Why the run stopped early (if it did), and the steps, trajectories and time trained."""
+    algo = cfg.algo.resolve()
+    total = cfg.train.steps + algo.critic_pretrain_steps
+    steps = int(summary["steps"])
+    lines = []
     if stopped is not None:
         reason = " ".join(stopped.split())
         lines += [
@@ -98,7 +123,8 @@ def model_card(
             "These are the weights it had when it stopped.",
             "",
         ]
-    lines += [
+    return [
+        *lines,
         "| training | |",
         "|---|---|",
         f"| steps | {steps} of {total} ({algo.critic_pretrain_steps} critic-only warm-up) |",
@@ -106,18 +132,7 @@ def model_card(
         f"({cfg.train.batch_size} per step) |",
         f"| wall time | {summary['wall_s']:.1f} s |",
         "",
-        *_held_out(cfg, history),
-        *_replies(samples),
-        "## Configuration",
-        "",
-        "The resolved configuration (the run's `config.yaml`):",
-        "",
-        "```yaml",
-        yaml.safe_dump(to_dict(cfg), sort_keys=False).strip(),
-        "```",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def _held_out(cfg: Config, history: list[dict[str, float]]) -> list[str]:
