@@ -182,8 +182,9 @@ def bad_edges(edges: list[Edge]) -> list[str]:
 
 
 def find_cycle(edges: list[Edge]) -> list[str] | None:
-    """A circle of module-level imports (``a -> b -> ... -> a``), or None;
-    found by depth-first search."""
+    """A circle of module-level imports (those under ``if TYPE_CHECKING:`` too;
+    not those inside functions), ``a -> b -> ... -> a``, or None; found by
+    depth-first search."""
     graph: dict[str, list[str]] = {}
     for e in edges:
         if e.module_level:
