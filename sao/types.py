@@ -12,7 +12,7 @@ trajectories become padded tensors, following the position convention in
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal, Protocol, runtime_checkable
 
@@ -357,3 +357,8 @@ def failed_trajectory(
         group_id=group_id,
         error=error,
     )
+
+
+StepFn = Callable[[list[Trajectory], bool], Awaitable[dict[str, float]]]
+"""The trainer's step as the loop calls it: trains on one batch (``train_actor``
+False during critic warm-up) and returns its metrics."""

@@ -1,7 +1,8 @@
 """``sao.algo``: advantages, losses and statistics as pure tensor functions.
 
 No models, no I/O, no config objects in signatures; everything here can be
-read and tested without loading a model (ARCHITECTURE.md).
+read and tested without loading a model (ARCHITECTURE.md). It imports only
+torch: no other ``sao`` folder.
 """
 
 from sao.algo.advantages import (

@@ -1,4 +1,5 @@
 """The composition root: ``sao train`` (:mod:`sao.app.run`), the builders
 that turn a :class:`~sao.config.Config` into parts, the engine factory and
-warm starts. It may import every other folder; nothing imports it but
-``sao.cli`` and ``sao.experiments`` (through subprocesses)."""
+warm starts, the builders the Ray backend calls. It may import every folder
+below it; nothing imports it but ``sao.cli`` and ``sao.experiments`` (which
+runs it in subprocesses and reads the warm starts' cache paths)."""

@@ -247,11 +247,12 @@ async def _trainer(p: Parts, ckpt: Path | None, task: TrainTask | None) -> Train
     (which load the checkpoint's sharded state themselves)."""
     if p.cfg.runtime.backend == "local":
         return LocalTrainer(p)
+    from sao.app.distributed import RAY_BUILDERS
     from sao.distributed.trainer import RayTrainerGroup
 
     if isinstance(task, AgentTask):
         raise ConfigError("an AgentTask trains with runtime.backend=local for now")
-    group = await RayTrainerGroup.start(p.cfg, ckpt)
+    group = await RayTrainerGroup.start(p.cfg, ckpt, RAY_BUILDERS.rank)
     if ckpt is not None:
         await group.load(ckpt)
     return group
@@ -267,12 +268,13 @@ async def _rollout(
     model_dir = policy_path(cfg)
     if cfg.runtime.backend == "ray":
         assert not isinstance(task, AgentTask)  # refused when the trainer started
+        from sao.app.distributed import RAY_BUILDERS
         from sao.distributed.backend import open_ray_rollout
 
-        async with open_ray_rollout(cfg, p.policy, handle, model_dir, run_dir, version, task) as (
-            ray_runner,
-            publish,
-        ):
+        opened = open_ray_rollout(
+            cfg, p.policy, handle, model_dir, run_dir, version, task, RAY_BUILDERS
+        )
+        async with opened as (ray_runner, publish):
             yield ray_runner, publish, None
         return
     async with open_rollout_engine(cfg, p.policy, p.tokenizer, model_dir, run_dir, version) as (

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from sao.config import Config, ConfigError, to_dict, validate
+from sao.distributed.builders import DeviceType, RayBuilders, WorkerBuilder
 from sao.envs.base import Split, Task
 from sao.rollout.remote.router import NoLiveEngineError
 from sao.rollout.resume import EpisodeResume
@@ -128,41 +129,21 @@ class RolloutWorker:
         task: Task | None,
         servers: Sequence[str],
         version: int,
+        build: WorkerBuilder,
     ) -> None:
         self.cfg = validate(cfg_dict)
         self.model_dir, self.task_obj, self.servers = model_dir, task, list(servers)
         self.version = version
+        self.build = build
         self.runner: Any = None
         self.engine: Any = None
         self.weight_group: Any = None  # the servers' weight-transfer group (broadcast)
 
     async def start(self) -> int:
         """Build the task, tokenizer and engine (on the worker's event loop)."""
-        from sao.app.engines import connect_servers, context_window
-        from sao.app.parts import build_limits, build_task
-        from sao.models.loading import load_config, load_policy, load_tokenizer
-        from sao.rollout.embedded.engine import TorchEngine
-        from sao.runtime.runner import LocalRunner
-
-        cfg, r = self.cfg, self.cfg.rollout
-        task = self.task_obj if self.task_obj is not None else build_task(cfg)
-        tokenizer = load_tokenizer(self.model_dir)
-        if r.engine == "torch":
-            policy = load_policy(self.model_dir)
-            self.engine = TorchEngine(
-                policy,
-                max_batch_size=r.max_batch_size,
-                max_seq_len=context_window(policy, r.max_total_tokens),
-                tokenizer=tokenizer,
-                version=self.version,
-                device="cuda" if torch.cuda.is_available() else "cpu",
-                recompute_kv_on_update=r.recompute_kv_on_update,
-            )
-        else:
-            self.engine = await connect_servers(
-                cfg, self.servers, self.version, Path(self.model_dir), load_config(self.model_dir)
-            )
-        self.runner = LocalRunner(task, self.engine, tokenizer, build_limits(cfg))
+        self.runner, self.engine = await self.build(
+            self.cfg, self.model_dir, self.task_obj, self.servers, self.version
+        )
         return os.getpid()
 
     async def run(
@@ -371,8 +352,10 @@ async def start_workers(
     task: Task | None,
     servers: Sequence[str],
     version: int,
+    build: WorkerBuilder,
 ) -> RayRunner:
-    """Place and start ``runtime.rollout_workers`` workers; returns the runner."""
+    """Place and start ``runtime.rollout_workers`` workers (each builds its
+    runner and engine with ``build``); returns the runner."""
     ray = init_ray(cfg)
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -389,7 +372,7 @@ async def start_workers(
         strategy = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=i)
         opts = {"num_cpus": rt.cpus_per_worker, "num_gpus": rt.gpus_per_worker}
         return remote_cls.options(scheduling_strategy=strategy, **opts).remote(
-            cfg_dict, model_dir, task, share, v
+            cfg_dict, model_dir, task, share, v, build
         )
 
     shares = [list(servers[i::n]) for i in range(n)]
@@ -413,6 +396,7 @@ async def open_ray_rollout(
     run_dir: Path,
     version: int,
     task: Task | None,
+    builders: RayBuilders,
 ) -> AsyncIterator[tuple[RayRunner, Publish]]:
     """Rollout workers (and any servers they drive) for a run, and the
     function that publishes the trainer's weights to them; torn down on exit.
@@ -420,20 +404,22 @@ async def open_ray_rollout(
     ``weights()`` gives an object-store reference to the policy's state dict
     and whose rank 0 hosts the broadcast to the servers
     (``rollout.weight_transfer=broadcast``); ``policy`` is only read for its
-    config and device."""
-    from sao.app.engines import configured_servers
+    config and device. ``builders``: the composition root's
+    (:data:`sao.app.distributed.RAY_BUILDERS`)."""
     from sao.rollout.weights import write_weights
 
     r = cfg.rollout
     weights_dir = Path(r.weights_dir) if r.weights_dir else run_dir / "weights"
     async with contextlib.AsyncExitStack() as stack:
         urls = await stack.enter_async_context(
-            configured_servers(cfg, policy, model_dir, run_dir)  # type: ignore[arg-type]
+            builders.servers(cfg, policy, model_dir, run_dir)  # type: ignore[arg-type]
         )
-        runner = await start_workers(cfg, str(model_dir), task, urls, version)
+        runner = await start_workers(cfg, str(model_dir), task, urls, version, builders.worker)
         stack.push_async_callback(runner.close)
         if r.weight_transfer == "broadcast":
-            publish = await _broadcast_publish(cfg, policy, trainer, runner, len(urls))
+            publish = await _broadcast_publish(
+                cfg, policy, trainer, runner, len(urls), builders.device_type
+            )
             await publish(version)  # the servers sample with the trainer's weights from here on
             yield runner, publish
             return
@@ -457,14 +443,17 @@ async def open_ray_rollout(
 
 
 async def _broadcast_publish(
-    cfg: Config, policy: torch.nn.Module, trainer: Any, runner: RayRunner, servers: int
+    cfg: Config,
+    policy: torch.nn.Module,
+    trainer: Any,
+    runner: RayRunner,
+    servers: int,
+    device_type: DeviceType,
 ) -> Publish:
     """Set up the weight-transfer group (the trainer's rank 0 hosts it, every
     server joins through the worker that drives it) and return ``publish``:
     rank 0 broadcasts each version while the workers' servers receive it."""
-    from sao.app.engines import model_device_type
-
-    backend = "nccl" if model_device_type(cfg, policy) == "cuda" else "gloo"
+    backend = "nccl" if device_type(cfg, policy) == "cuda" else "gloo"
     group = await trainer.new_weight_group(1 + servers, backend, cfg.rollout.request_timeout_s)
     info, _ = await asyncio.gather(
         trainer.host_weight_group(group), runner.join_weight_group(group)

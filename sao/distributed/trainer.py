@@ -30,6 +30,7 @@ import torch
 
 from sao.config import Config, to_dict, validate
 from sao.distributed.backend import init_ray, place
+from sao.distributed.builders import RankBuilder
 from sao.train.groups import merge_stats
 from sao.types import SamplingParams, Trajectory
 
@@ -46,7 +47,13 @@ class TrainerRank:
     two groups of ``runtime.critic_ranks``, each loading only its model)."""
 
     def __init__(
-        self, cfg_dict: dict[str, Any], rank: int, world: int, master: str, role: str = "both"
+        self,
+        cfg_dict: dict[str, Any],
+        rank: int,
+        world: int,
+        master: str,
+        build: RankBuilder,
+        role: str = "both",
     ) -> None:
         host, port = master.rsplit(":", 1)
         os.environ.update(
@@ -57,7 +64,7 @@ class TrainerRank:
             MASTER_PORT=port,
         )
         self.cfg = validate(cfg_dict)
-        self.role = role
+        self.role, self.build = role, build
         self.trainer: Any = None
         self.tokenizer: Any = None
         self.pending: Any = None  # the critic's targets between its two halves of a step
@@ -74,30 +81,10 @@ class TrainerRank:
         """Join the group, load the model(s) of this role, shard them, build the
         optimizers; torch computes with ``threads`` threads (Ray would cap it at
         the bundle's whole CPUs: 1 for a 0.5-CPU rank). Returns the thread count."""
-        from sao.app.parts import (
-            load_critic,
-            load_trained_policy,
-            model_device,
-            optim_settings,
-            policy_path,
-        )
-        from sao.models.loading import load_tokenizer
-        from sao.train.sharded import init_trainer_group
-        from sao.train.trainer import Trainer
-
         torch.set_num_threads(threads)
         os.environ["OMP_NUM_THREADS"] = str(threads)  # (for the processes it starts)
-        cfg = self.cfg
-        device, self.dtype = model_device(cfg)
-        # a dead peer makes the others fail after the timeout instead of hanging
-        ranks = init_trainer_group(device, timeout_s=cfg.rollout.request_timeout_s)
-        sd = Path(start_dir) if start_dir else None
-        self.tokenizer = load_tokenizer(policy_path(cfg))
-        policy = None if self.role == "critic" else load_trained_policy(cfg, sd, device, self.dtype)
-        critic = None
-        if self.role != "actor":
-            critic = load_critic(cfg, sd, device, self.dtype, quiet=ranks.rank > 0)
-        self.trainer = Trainer(policy, critic, cfg.algo.resolve(), optim_settings(cfg), ranks)
+        built = self.build(self.cfg, Path(start_dir) if start_dir else None, self.role)
+        self.tokenizer, self.trainer, self.dtype = built.tokenizer, built.trainer, built.dtype
         return torch.get_num_threads()
 
     def step(self, trajectories: list[Trajectory], train_actor: bool) -> dict[str, float]:
@@ -257,7 +244,11 @@ class RayTrainerGroup:
         self.critics = critics or []
 
     @classmethod
-    async def start(cls, cfg: Config, start_dir: Path | None) -> RayTrainerGroup:
+    async def start(
+        cls, cfg: Config, start_dir: Path | None, build: RankBuilder
+    ) -> RayTrainerGroup:
+        """Place and start the ranks; each joins the group and builds what it
+        trains with ``build`` (:data:`sao.app.distributed.RAY_BUILDERS`' ``rank``)."""
         ray = init_ray(cfg)
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -278,7 +269,7 @@ class RayTrainerGroup:
                     ),
                     num_cpus=rt.cpus_per_rank,
                     num_gpus=rt.gpus_per_rank,
-                ).remote(to_dict(cfg), i, size, master, role)
+                ).remote(to_dict(cfg), i, size, master, build, role)
                 for i in range(size)
             ]
 

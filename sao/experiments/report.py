@@ -23,28 +23,39 @@ import json
 import math
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
 from sao.config import validate
 from sao.experiments.grid import Experiment
-from sao.rundir.metrics import PLOTS, summarize
-from sao.experiments.switches import (
-    STYLE_PREFIX,
-    recoveries,
-    recovery_md,
-    write_style_plot,
+from sao.experiments.results import (
+    RunResult,
+    Stats,
+    aggregate,
+    collapse_step,
+    t_critical,
 )
+from sao.experiments.switches import STYLE_PREFIX, recovery_md, write_style_plot
+from sao.rundir.metrics import PLOTS, summarize
 
-T_975: tuple[float, ...] = (
-    12.7062, 4.3027, 3.1824, 2.7764, 2.5706, 2.4469, 2.3646, 2.3060, 2.2622, 2.2281,
-    2.2010, 2.1788, 2.1604, 2.1448, 2.1314, 2.1199, 2.1098, 2.1009, 2.0930, 2.0860,
-    2.0796, 2.0739, 2.0687, 2.0639, 2.0595, 2.0555, 2.0518, 2.0484, 2.0452, 2.0423,
-)  # fmt: skip
-"""Two-sided 95% critical values t_{0.975, df} of Student's t for df = 1..30
-(standard tables; scipy is not a dependency)."""
+__all__ = [
+    "CSV_COLUMNS",
+    "REWARD_WINDOW",
+    "RunResult",
+    "Stats",
+    "code_md",
+    "collapse_step",
+    "read_history",
+    "read_run",
+    "results_csv",
+    "results_md",
+    "scan_runs",
+    "t_critical",
+    "trailing_mean",
+    "write_plots",
+    "write_report",
+]
 
 REWARD_WINDOW = 10
 """Training reward is plotted and reported as a trailing mean over this many steps
@@ -64,120 +75,6 @@ CSV_COLUMNS = (
     "wall_s",
     "recovery_steps",
 )
-
-
-def t_critical(df: int) -> float:
-    """t_{0.975, df}: the table for df <= 30; above, the Cornish-Fisher expansion
-    around z = 1.95996 (Abramowitz & Stegun 26.7.5, two terms; error < 1e-3)."""
-    if df < 1:
-        raise ValueError(f"degrees of freedom must be >= 1, got {df}")
-    if df <= len(T_975):
-        return T_975[df - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-@dataclass(frozen=True)
-class Stats:
-    """Mean, sample standard deviation (n - 1 in the denominator) and the 95%
-    t-interval of the mean, ``mean ± t_{0.975, n-1} * std / sqrt(n)``, of the
-    finite values given; std and interval are NaN for fewer than two values."""
-
-    n: int
-    mean: float
-    std: float
-    low: float
-    high: float
-
-    @classmethod
-    def of(cls, values: Sequence[float]) -> Stats:
-        xs = [x for x in values if math.isfinite(x)]
-        n = len(xs)
-        if n == 0:
-            return cls(0, math.nan, math.nan, math.nan, math.nan)
-        mean = sum(xs) / n
-        if n == 1:
-            return cls(1, mean, math.nan, math.nan, math.nan)
-        std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (n - 1))
-        half = t_critical(n - 1) * std / math.sqrt(n)
-        return cls(n, mean, std, mean - half, mean + half)
-
-    def cell(self, digits: int = 3) -> str:
-        """``"0.600 ± 0.265 [-0.057, 1.257]"`` (a Markdown table cell)."""
-        if self.n == 0:
-            return "n/a"
-        if self.n == 1:
-            return f"{self.mean:.{digits}f} (one seed)"
-        f = f".{digits}f"
-        return f"{self.mean:{f}} ± {self.std:{f}} [{self.low:{f}}, {self.high:{f}}]"
-
-
-def collapse_step(evals: Sequence[tuple[int, float]], until: int | None = None) -> int | None:
-    """The first eval step after which held-out success stays below half its
-    initial value (at that eval and every later one); None if it never does, or
-    if the initial value is 0. ``evals``: ``(step, success)`` in step order.
-    ``until``: only evals before this step count (an experiment with preference
-    switches passes the first: after it, success is judged by another
-    preference, and a drop there is a failure to follow, not a collapse)."""
-    if until is not None:
-        evals = [e for e in evals if e[0] < until]
-    if not evals or evals[0][1] <= 0:
-        return None
-    threshold = evals[0][1] / 2
-    found: int | None = None  # the start of the current stretch below the threshold
-    for step, value in evals[1:]:
-        below = value < threshold
-        found = (found if found is not None else step) if below else None
-    return found
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """One finished run: its headline numbers and its curves against actor step
-    (``step - algo.critic_pretrain_steps``: the critic-only warm-up is negative)."""
-
-    arm: str
-    seed: int
-    actor_steps: int
-    batch_size: int
-    warmup_steps: int
-    initial_success: float
-    final_success: float
-    best_success: float
-    final_reward: float
-    collapse_step: int | None
-    wall_s: float
-    curves: dict[str, list[tuple[int, float]]] = field(default_factory=dict)
-    code: tuple[str, ...] = ()
-    """The code versions its attempts ran, in order, each once (older runs: none)."""
-
-    @property
-    def trajectories(self) -> int:
-        """Trajectories trained on, the critic-only warm-up's included."""
-        return (self.actor_steps + self.warmup_steps) * self.batch_size
-
-    def row(self, marks: Sequence[int] = ()) -> list[str]:
-        """The run's ``results.csv`` row (``recovery_steps``: per switch in ``marks``,
-        ``;``-separated, empty where it did not recover)."""
-        steps = recoveries(self, marks)
-        return [
-            self.arm,
-            str(self.seed),
-            str(self.actor_steps),
-            str(self.batch_size),
-            str(self.trajectories),
-            _num(self.initial_success),
-            _num(self.final_success),
-            _num(self.best_success),
-            _num(self.final_reward),
-            "" if self.collapse_step is None else str(self.collapse_step),
-            f"{self.wall_s:.1f}",
-            ";".join("" if x is None else str(x) for x in steps),
-        ]
-
-
-def _num(x: float) -> str:
-    return f"{x:.4f}" if math.isfinite(x) else ""
 
 
 def trailing_mean(points: Sequence[tuple[int, float]], window: int) -> list[tuple[int, float]]:
@@ -347,8 +244,23 @@ def results_md(
     out += ["> " + line for line in exp.claim.splitlines()] + [""]
     if not runs:
         return "\n".join([*out, "No finished runs yet.", ""])
+    out += _arms_table(exp, runs)
+    out += ["", *recovery_md(exp, runs)] if exp.marks else []
+    out += _overrides_md(exp, overrides)
+    out += code_md(runs)
+    if unfinished:
+        names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
+        out += ["", f"Unfinished runs, not included: {names}."]
+    out.append("")
+    for p in plots:
+        out += [f"![{p.stem}]({p.name})", ""]
+    return "\n".join(out)
+
+
+def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
+    """The comparison, what a cell means, and one row per arm with finished runs."""
     seeds = sorted({r.seed for r in runs})
-    out += [
+    out = [
         _comparison(runs),
         "",
         f"Seeds {', '.join(map(str, seeds))}. Each cell: mean ± sample std over seeds "
@@ -381,29 +293,26 @@ def results_md(
             f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} "
             f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} |"
         )
-    out += ["", *recovery_md(exp, runs)] if exp.marks else []
-    out += ["", "| arm | overrides |", "|---|---|"]
+    return out
+
+
+def _overrides_md(exp: Experiment, overrides: Sequence[str]) -> list[str]:
+    """Each arm's overrides, and what every arm starts from."""
+    out = ["", "| arm | overrides |", "|---|---|"]
     for arm, sets in exp.arms.items():
         out.append(f"| `{arm}` | {' '.join(f'`{s}`' for s in sets) or '(base only)'} |")
 
     def code(items: Sequence[str]) -> str:
         return " ".join(f"`{s}`" for s in items)
 
-    out += [
+    return [
+        *out,
         "",
         f"Every arm: preset `{exp.preset}`"
         + (f", then the experiment's {code(exp.base)}" if exp.base else "")
         + (f", then this directory's `--set` {code(overrides)}" if overrides else "")
         + ". Per run: [results.csv](results.csv); run directories under `runs/ARM/seed-S`.",
     ]
-    out += code_md(runs)
-    if unfinished:
-        names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
-        out += ["", f"Unfinished runs, not included: {names}."]
-    out.append("")
-    for p in plots:
-        out += [f"![{p.stem}]({p.name})", ""]
-    return "\n".join(out)
 
 
 def code_md(runs: Sequence[RunResult]) -> list[str]:
@@ -419,23 +328,6 @@ def code_md(runs: Sequence[RunResult]) -> list[str]:
     text = "**The runs did not all run the same code**: " + "; ".join(which)
     unknown = [f"{r.arm}/{r.seed}" for r in runs if not r.code]
     return ["", text + (f"; not recorded: {', '.join(unknown)}." if unknown else ".")]
-
-
-def aggregate(
-    series: Sequence[list[tuple[int, float]]],
-) -> tuple[list[int], list[float], list[float], list[float]]:
-    """Steps, mean, min and max across runs at each step any run has."""
-    by_step: dict[int, list[float]] = {}
-    for s in series:
-        for step, v in s:
-            by_step.setdefault(step, []).append(v)
-    steps = sorted(by_step)
-    return (
-        steps,
-        [sum(by_step[s]) / len(by_step[s]) for s in steps],
-        [min(by_step[s]) for s in steps],
-        [max(by_step[s]) for s in steps],
-    )
 
 
 _LABELS = {

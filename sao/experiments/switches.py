@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from sao.experiments.recovery import RECOVERED_SHARE, recovery_steps
+from sao.experiments.recovery import RECOVERED_SHARE
+from sao.experiments.results import RunResult, Stats, aggregate, recoveries
 
 if TYPE_CHECKING:
     from sao.experiments.grid import Experiment
-    from sao.experiments.report import RunResult
 
 __all__ = [
     "STYLE_PLOT",
@@ -32,15 +32,6 @@ STYLE_PREFIX = "eval/style_"
 STYLE_PLOT = "eval_per_style.png"
 
 
-def recoveries(run: RunResult, marks: Sequence[int]) -> list[int | None]:
-    """Steps to recover after each of ``marks`` (None: not before the next one)."""
-    if not marks:
-        return []
-    evals = run.curves.get("eval/success", [])
-    ends: list[int | None] = [*marks[1:], None]
-    return [recovery_steps(evals, m, until=end) for m, end in zip(marks, ends, strict=True)]
-
-
 def phase_rewards(run: RunResult, marks: Sequence[int]) -> list[float | None]:
     """The mean sampled training reward over each phase: actor steps ``0..m1``,
     then ``m1+1..m2``, ..., after the last mark (None: no step in it)."""
@@ -54,8 +45,6 @@ def phase_rewards(run: RunResult, marks: Sequence[int]) -> list[float | None]:
 
 def recovery_md(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
     """Markdown lines: per arm and switch, seeds recovered and the steps they took."""
-    from sao.experiments.report import Stats
-
     if not exp.marks or not runs:
         return []
     head = " | ".join(f"after step {m}" for m in exp.marks)
@@ -106,8 +95,6 @@ def write_style_plot(
     """One panel per style that runs report (``eval/style_NAME``): mean over
     seeds per arm with a min-max band, the switches dashed; ``schedule`` names
     the style preferred in each phase (shaded in its panel)."""
-    from sao.experiments.report import aggregate
-
     styles = sorted(
         {k[len(STYLE_PREFIX) :] for r in runs for k in r.curves if k.startswith(STYLE_PREFIX)}
     )

@@ -1,7 +1,7 @@
 """sao.models: causal-LM policies and tokenizers from local directories, exact
 per-token log-probabilities, the value model with frozen attention, tiny
 models and tokenizers built in code, supervised warm-starting, and the model
-cache."""
+cache. It imports only the types and :mod:`sao.algo`'s tensor checks."""
 
 from sao.models.cache import atomic_dir, build_cached, cached_model_dir, recipe_hash, sao_home
 from sao.models.freeze import FREEZE_GROUPS, FreezeReport, classify_parameter, freeze_attention

@@ -39,7 +39,7 @@ from sao.rundir.failures import FAILURES
 from sao.rundir.ledger import LEDGER
 from sao.rundir.manifest import MANIFEST, manifest_problem, write_manifest
 from sao.rundir.metrics import read_jsonl, write_jsonl
-from sao.runtime.transcripts import EVAL_SAMPLES
+from sao.rundir.transcripts import EVAL_SAMPLES
 from sao.types import SamplingParams, Trajectory, Turn
 
 

@@ -30,13 +30,10 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from sao.rundir.metrics import read_jsonl, repair_jsonl
-from sao.types import Trajectory
-
-if TYPE_CHECKING:
-    from sao.runtime.orchestrator import StepFn
+from sao.types import StepFn, Trajectory
 
 LEDGER = "ledger.jsonl"
 """The ledger's name in a run directory."""

@@ -8,17 +8,14 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import yaml
 
 from sao.config import Config, to_dict
 from sao.rundir.checkpoint import write_text_atomic
 from sao.rundir.metrics import summarize
-from sao.runtime.transcripts import EVAL_SAMPLES, Transcript
-
-if TYPE_CHECKING:
-    from sao.runtime.trainers import TrainerHandle
+from sao.rundir.transcripts import EVAL_SAMPLES, Transcript
 
 CARD = "README.md"
 """The model card's file name in the export."""
@@ -28,8 +25,17 @@ CARD_CHARS = 1000
 """Characters of a quoted prompt (its end) or reply (its start)."""
 
 
+class Exporter(Protocol):
+    """What writes the trained policy: a trainer handle
+    (:class:`~sao.runtime.trainers.TrainerHandle`) has this method."""
+
+    async def export(self, directory: Path) -> None:
+        """The trained policy and tokenizer in Hugging Face format."""
+        ...
+
+
 async def export_final(
-    handle: TrainerHandle,
+    handle: Exporter,
     directory: Path,
     cfg: Config,
     history: list[dict[str, float]],
@@ -59,10 +65,27 @@ def model_card(
     success (from ``history``, the rows of ``metrics.jsonl``), what the
     replies look like (the first :data:`CARD_SAMPLES` of ``samples``) and the
     config."""
-    algo = cfg.algo.resolve()
-    total = cfg.train.steps + algo.critic_pretrain_steps
     summary = summarize(history)
-    steps = int(summary["steps"])
+    lines = [
+        *_front_matter(cfg),
+        *_training(cfg, summary, stopped),
+        *_held_out(cfg, history),
+        *_replies(samples),
+        "## Configuration",
+        "",
+        "The resolved configuration (the run's `config.yaml`):",
+        "",
+        "```yaml",
+        yaml.safe_dump(to_dict(cfg), sort_keys=False).strip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _front_matter(cfg: Config) -> list[str]:
+    """The YAML front matter (Hub metadata), the title and what was trained how."""
+    algo = cfg.algo.resolve()
     start = f"`{cfg.model.path}`" if cfg.model.path else "the task's tiny warm-started policy"
     front = {
         "library_name": "transformers",
@@ -71,7 +94,7 @@ def model_card(
             dict.fromkeys(["sao", "reinforcement-learning", cfg.task.name, cfg.algo.preset])
         ),
     }
-    lines = [
+    return [
         "---",
         yaml.safe_dump(front, sort_keys=False).strip(),
         "---",
@@ -85,6 +108,14 @@ def model_card(
         f"at most {cfg.runtime.max_lag} version(s) of staleness (`runtime.max_lag`).",
         "",
     ]
+
+
+def _training(cfg: Config, summary: dict[str, float], stopped: str | None) -> list[str]:
+    """Why the run stopped early (if it did), and the steps, trajectories and time trained."""
+    algo = cfg.algo.resolve()
+    total = cfg.train.steps + algo.critic_pretrain_steps
+    steps = int(summary["steps"])
+    lines = []
     if stopped is not None:
         reason = " ".join(stopped.split())
         lines += [
@@ -92,7 +123,8 @@ def model_card(
             "These are the weights it had when it stopped.",
             "",
         ]
-    lines += [
+    return [
+        *lines,
         "| training | |",
         "|---|---|",
         f"| steps | {steps} of {total} ({algo.critic_pretrain_steps} critic-only warm-up) |",
@@ -100,18 +132,7 @@ def model_card(
         f"({cfg.train.batch_size} per step) |",
         f"| wall time | {summary['wall_s']:.1f} s |",
         "",
-        *_held_out(cfg, history),
-        *_replies(samples),
-        "## Configuration",
-        "",
-        "The resolved configuration (the run's `config.yaml`):",
-        "",
-        "```yaml",
-        yaml.safe_dump(to_dict(cfg), sort_keys=False).strip(),
-        "```",
-        "",
     ]
-    return "\n".join(lines)
 
 
 def _held_out(cfg: Config, history: list[dict[str, float]]) -> list[str]:

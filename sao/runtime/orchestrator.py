@@ -30,11 +30,9 @@ from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.evaluate import reported_means
 from sao.runtime.runner import EpisodeRunner, Played, samples
 from sao.runtime.staleness import StalenessGate
-from sao.types import FAILURES, SamplingParams, Trajectory, failed_trajectory
+from sao.types import FAILURES, SamplingParams, StepFn, Trajectory, failed_trajectory
 
 _T = TypeVar("_T")
-StepFn = Callable[[list[Trajectory], bool], Awaitable[dict[str, float]]]
-"""Trains on one batch (``train_actor`` False during critic warm-up); returns metrics."""
 PublishFn = Callable[[int], Awaitable[float]]
 """Sends the trainer's weights to the engines as ``version``; returns the seconds it took."""
 

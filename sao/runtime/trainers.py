@@ -16,9 +16,12 @@ from sao.rollout.check import LogprobReport, score_trajectories
 from sao.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
-    from sao.app.parts import Parts
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["LocalTrainer", "TrainerHandle"]
+    from sao.models.value import ValueModel
+    from sao.train.trainer import Trainer
+
+__all__ = ["LocalModels", "LocalTrainer", "TrainerHandle"]
 
 
 class TrainerHandle(Protocol):
@@ -48,10 +51,28 @@ class TrainerHandle(Protocol):
     def close(self) -> None: ...
 
 
-class LocalTrainer:
-    """The trainer of :class:`~sao.app.parts.Parts`, in this process."""
+class LocalModels(Protocol):
+    """What a :class:`LocalTrainer` trains and writes (the composition root's
+    :class:`~sao.app.parts.Parts` has these fields)."""
 
-    def __init__(self, parts: Parts) -> None:
+    @property
+    def policy(self) -> PreTrainedModel: ...
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase: ...
+
+    @property
+    def critic(self) -> ValueModel | None: ...
+
+    @property
+    def trainer(self) -> Trainer | None: ...
+
+
+class LocalTrainer:
+    """The trainer of :class:`~sao.app.parts.Parts` (any :class:`LocalModels`),
+    in this process."""
+
+    def __init__(self, parts: LocalModels) -> None:
         assert parts.trainer is not None, "a local trainer needs the parts' trainer"
         self.p, self.trainer = parts, parts.trainer
 

@@ -21,8 +21,15 @@ from sao.experiments.grid import (
     load_grid,
     plan,
 )
+from sao.experiments.report import (
+    RunResult,
+    Stats,
+    code_md,
+    collapse_step,
+    t_critical,
+    trailing_mean,
+)
 from sao.experiments.runner import code_version
-from sao.experiments.report import RunResult, Stats, code_md, collapse_step, t_critical, trailing_mean
 
 # ---------------------------------------------------------------------- arithmetic
 
