@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from sao.envs.base import Env, Task
-from sao.envs.rgym import ReasoningGymTask, dataset_names
+from sao.envs.qa.rgym import ReasoningGymTask, dataset_names
 from tests.envs.conftest import play
 
 NAMES = ("basic_arithmetic", "leg_counting")

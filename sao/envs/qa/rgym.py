@@ -1,12 +1,12 @@
 """``reasoning_gym``: any reasoning-gym dataset as a single-turn task.
 
 The prompt is the entry's question plus a short instruction; the reply's
-final answer (:func:`sao.envs.answers.extract_answer`: what follows the last
+final answer (:func:`sao.envs.qa.answers.extract_answer`: what follows the last
 ``answer`` line, else a ``\\boxed{}`` or ``<answer>`` tag) is scored by the
 dataset's own ``score_answer(answer, entry)``. A reply without a marker
 scores 0 and reports ``metric/format/missing_answer``; ``require_marker=False``
 scores the whole reply instead (open to echoing the question's computation,
-see :mod:`sao.envs.answers`). An episode::
+see :mod:`sao.envs.qa.answers`). An episode::
 
     user:      Calculate 5 - 3 - 6.
                Finish with 'answer X'.
@@ -28,9 +28,9 @@ from collections.abc import Mapping
 from typing import Protocol
 
 from sao.envs._state import expect_same, read, read_optional
-from sao.envs.answers import MISSING_ANSWER, extract_answer
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
-from sao.envs.dataset import INSTRUCTION, answer_demo, safe_score, wrong_answer
+from sao.envs.qa.answers import MISSING_ANSWER, extract_answer
+from sao.envs.qa.dataset import INSTRUCTION, answer_demo, safe_score, wrong_answer
 
 __all__ = ["ReasoningGymEnv", "ReasoningGymTask", "dataset_names"]
 
@@ -154,7 +154,7 @@ class ReasoningGymTask:
     question (None for none), an optional ``system`` message,
     ``error_rate`` the share of demonstrations with a wrong answer, and
     ``require_marker`` (False: a reply without an answer marker is scored
-    whole, see :mod:`sao.envs.answers`)."""
+    whole, see :mod:`sao.envs.qa.answers`)."""
 
     name = "reasoning_gym"
 
