@@ -264,10 +264,7 @@ def ppo_clip_loss(
     mask = _check_policy(action_mask_BT, inputs, (eps_low, eps_high), reduction, denom)
     adv = zero_off(advantages_BT.detach(), mask)
     log_ratio = zero_off(logp_BT, mask) - zero_off(old_logp_BT.detach(), mask)
-    ratio = torch.exp(log_ratio)
-    obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    if dual_clip is not None:
-        obj = torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)
+    obj = _ppo_objective(torch.exp(log_ratio), adv, eps_low, eps_high, dual_clip)
     weights = torch.ones_like(adv)
     if token_weights_BT is not None:
         weights = zero_off(token_weights_BT.detach(), mask)
@@ -275,15 +272,42 @@ def ppo_clip_loss(
             raise ValueError("token_weights_BT must be >= 0 on action tokens")
         obj = obj * weights
     loss = -_aggregate(obj, mask, reduction, denom)
+    return loss, _ppo_stats(mask, log_ratio, adv, weights, eps_low, eps_high, dual_clip)
 
-    log_ratio_N, adv_N, w_N = pack(mask, log_ratio, adv, weights)
+
+def _ppo_objective(
+    ratio_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> torch.Tensor:
+    """Per-token ``min(r·A, clip(r, 1 - eps_low, 1 + eps_high)·A)``, then
+    ``max(obj, c·A)`` where ``A < 0`` with ``dual_clip = c``. Shapes ``[B, T]``."""
+    obj = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT)
+    if dual_clip is not None:
+        obj = torch.where(adv_BT < 0, torch.maximum(obj, dual_clip * adv_BT), obj)
+    return obj
+
+
+def _ppo_stats(
+    mask_BT: torch.Tensor,
+    log_ratio_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    weights_BT: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> Stats:
+    """:func:`ppo_clip_loss`'s ``ppo/`` stats over the action tokens."""
+    log_ratio_N, adv_N, w_N = pack(mask_BT, log_ratio_BT, adv_BT, weights_BT)
     r_N = torch.exp(log_ratio_N)
     low = _frac((adv_N < 0) & (r_N < 1.0 - eps_low))
     high = _frac((adv_N > 0) & (r_N > 1.0 + eps_high))
     dual = (
         _frac((adv_N < 0) & (r_N > dual_clip)) if dual_clip is not None else torch.zeros_like(low)
     )
-    stats = {
+    return {
         "ppo/clip_frac": low + high,
         "ppo/clip_low_frac": low,
         "ppo/clip_high_frac": high,
@@ -292,7 +316,6 @@ def ppo_clip_loss(
         "ppo/token_weight_mean": w_N.mean(),
         "ppo/token_weight_zero_frac": _frac(w_N == 0),
     }
-    return loss, stats
 
 
 def tis_weights(
