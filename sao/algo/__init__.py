@@ -12,6 +12,7 @@ from sao.algo.advantages import (
     length_adaptive_lambda,
     step_level_gae,
 )
+from sao.algo.aggregate import aggregate, aggregate_denom
 from sao.algo.baselines import (
     RunningMeanBaseline,
     broadcast_to_tokens,
@@ -22,8 +23,6 @@ from sao.algo.baselines import (
     rloo_advantages,
 )
 from sao.algo.losses import (
-    aggregate,
-    aggregate_denom,
     cispo_loss,
     dis_loss,
     gspo_loss,

@@ -7,14 +7,16 @@ statistics keyed ``"<loss>/<name>"``. The gradient flows into ``logp_BT`` (or
 weights are constants. bf16/fp16 inputs are computed in float32 (gradients
 still reach them); padding is never read, so it may hold anything, even NaN.
 Bad input (mismatched shapes, no action token, NaN/inf on an action token, an
-out-of-range ``eps``, an unknown ``reduction``) raises ``ValueError``.
+out-of-range ``eps``, an unknown ``reduction``) raises ``ValueError``. The
+reductions are :mod:`~sao.algo.aggregate`'s (re-exported here).
 """
 
 from __future__ import annotations
 
 import torch
 
-from sao.algo._checks import check_batch, check_choice, check_range, check_same_shape
+from sao.algo._checks import check_batch, check_range, check_same_shape
+from sao.algo.aggregate import REDUCTIONS, _aggregate, _check_reduction, aggregate, aggregate_denom
 from sao.algo.stats import (
     _ess_n,
     _explained_variance_n,
@@ -40,86 +42,6 @@ __all__ = [
 ]
 
 Stats = dict[str, torch.Tensor]
-
-REDUCTIONS: tuple[str, ...] = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm")
-
-# ---------------------------------------------------------------- aggregation
-
-
-def _numerator(x_BT: torch.Tensor, mask_BT: torch.Tensor, reduction: str) -> torch.Tensor:
-    """Sum over the batch that is additive over rows, so micro-batches add up."""
-    x = torch.where(mask_BT, x_BT, 0.0)
-    if reduction == "seq_mean_token_mean":
-        return (x.sum(-1) / mask_BT.sum(-1).clamp(min=1)).sum()
-    return x.sum()
-
-
-def _default_denom(mask_BT: torch.Tensor, reduction: str) -> torch.Tensor:
-    if reduction == "token_mean":
-        return mask_BT.sum()
-    rows = mask_BT.any(-1).sum()
-    return rows if reduction == "seq_mean_token_mean" else rows * mask_BT.shape[-1]
-
-
-def _aggregate(
-    x_BT: torch.Tensor, mask_BT: torch.Tensor, reduction: str, denom: float | None
-) -> torch.Tensor:
-    d = _default_denom(mask_BT, reduction) if denom is None else denom
-    return _numerator(x_BT, mask_BT, reduction) / d
-
-
-def _check_reduction(reduction: str, denom: float | None) -> None:
-    check_choice("reduction", reduction, REDUCTIONS)
-    if denom is not None:
-        check_range("denom", denom, low=0.0, low_open=True)
-
-
-def aggregate(
-    per_token_BT: torch.Tensor,
-    mask_BT: torch.Tensor,
-    reduction: str = "token_mean",
-    *,
-    denom: float | None = None,
-) -> torch.Tensor:
-    """Reduce a per-token loss ``[B, T]`` over the action tokens to a scalar.
-
-    Every reduction is ``numerator / denom``. ``token_mean``: Σ over action
-    tokens / number of action tokens. ``seq_mean_token_mean``: Σ over rows of
-    the row's token mean / number of rows. ``seq_mean_token_sum_norm``: Σ over
-    action tokens / (number of rows · T). Rows without an action token are
-    ignored (they count in no denominator).
-
-    ``token_mean`` is DAPO's token-level loss and the SAO default
-    (ALGORITHMS.md §1); ``seq_mean_token_mean`` is the GRPO paper's per-sample
-    mean; ``seq_mean_token_sum_norm`` is Dr.GRPO (Liu et al. 2025, "Understanding
-    R1-Zero-Like Training"): each row's token *sum* divided by a constant
-    length, then averaged over rows. Its default constant is the padded length
-    ``T``; for the paper's fixed generation budget pass
-    ``denom = n_rows * max_new_tokens``.
-
-    ``denom`` (micro-batching): numerators add up over row splits, so a trainer
-    that splits a batch into micro-batches passes the *whole batch's* divisor,
-    ``aggregate_denom(full_mask_BT, reduction)``, to every micro-batch; the
-    summed micro-batch gradients then equal the full-batch gradient exactly.
-
-    Shapes: ``per_token_BT`` float ``[B, T]``; ``mask_BT`` bool ``[B, T]``.
-    Raises ``ValueError`` for an unknown ``reduction``, ``denom <= 0``, an
-    empty mask, or a NaN/inf on an action position.
-    """
-    _check_reduction(reduction, denom)
-    mask = check_batch("mask_BT", mask_BT, per_token_BT=per_token_BT)
-    return _aggregate(zero_off(per_token_BT, mask), mask, reduction, denom)
-
-
-def aggregate_denom(mask_BT: torch.Tensor, reduction: str = "token_mean") -> float:
-    """The default ``denom`` of :func:`aggregate` for this (whole) batch.
-
-    Compute it once on the full batch's mask and pass it to every micro-batch.
-    """
-    check_choice("reduction", reduction, REDUCTIONS)
-    mask = check_batch("mask_BT", mask_BT)
-    return float(_default_denom(mask, reduction))
-
 
 # ---------------------------------------------------------------- shared pieces
 
@@ -264,10 +186,7 @@ def ppo_clip_loss(
     mask = _check_policy(action_mask_BT, inputs, (eps_low, eps_high), reduction, denom)
     adv = zero_off(advantages_BT.detach(), mask)
     log_ratio = zero_off(logp_BT, mask) - zero_off(old_logp_BT.detach(), mask)
-    ratio = torch.exp(log_ratio)
-    obj = torch.minimum(ratio * adv, ratio.clamp(1.0 - eps_low, 1.0 + eps_high) * adv)
-    if dual_clip is not None:
-        obj = torch.where(adv < 0, torch.maximum(obj, dual_clip * adv), obj)
+    obj = _ppo_objective(torch.exp(log_ratio), adv, eps_low, eps_high, dual_clip)
     weights = torch.ones_like(adv)
     if token_weights_BT is not None:
         weights = zero_off(token_weights_BT.detach(), mask)
@@ -275,15 +194,42 @@ def ppo_clip_loss(
             raise ValueError("token_weights_BT must be >= 0 on action tokens")
         obj = obj * weights
     loss = -_aggregate(obj, mask, reduction, denom)
+    return loss, _ppo_stats(mask, log_ratio, adv, weights, eps_low, eps_high, dual_clip)
 
-    log_ratio_N, adv_N, w_N = pack(mask, log_ratio, adv, weights)
+
+def _ppo_objective(
+    ratio_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> torch.Tensor:
+    """Per-token ``min(r·A, clip(r, 1 - eps_low, 1 + eps_high)·A)``, then
+    ``max(obj, c·A)`` where ``A < 0`` with ``dual_clip = c``. Shapes ``[B, T]``."""
+    obj = torch.minimum(ratio_BT * adv_BT, ratio_BT.clamp(1.0 - eps_low, 1.0 + eps_high) * adv_BT)
+    if dual_clip is not None:
+        obj = torch.where(adv_BT < 0, torch.maximum(obj, dual_clip * adv_BT), obj)
+    return obj
+
+
+def _ppo_stats(
+    mask_BT: torch.Tensor,
+    log_ratio_BT: torch.Tensor,
+    adv_BT: torch.Tensor,
+    weights_BT: torch.Tensor,
+    eps_low: float,
+    eps_high: float,
+    dual_clip: float | None,
+) -> Stats:
+    """:func:`ppo_clip_loss`'s ``ppo/`` stats over the action tokens."""
+    log_ratio_N, adv_N, w_N = pack(mask_BT, log_ratio_BT, adv_BT, weights_BT)
     r_N = torch.exp(log_ratio_N)
     low = _frac((adv_N < 0) & (r_N < 1.0 - eps_low))
     high = _frac((adv_N > 0) & (r_N > 1.0 + eps_high))
     dual = (
         _frac((adv_N < 0) & (r_N > dual_clip)) if dual_clip is not None else torch.zeros_like(low)
     )
-    stats = {
+    return {
         "ppo/clip_frac": low + high,
         "ppo/clip_low_frac": low,
         "ppo/clip_high_frac": high,
@@ -292,7 +238,6 @@ def ppo_clip_loss(
         "ppo/token_weight_mean": w_N.mean(),
         "ppo/token_weight_zero_frac": _frac(w_N == 0),
     }
-    return loss, stats
 
 
 def tis_weights(

@@ -28,10 +28,11 @@ from sao.models.cache import sao_home
 from sao.rollout.embedded.engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
 from sao.rollout.engine import Engine
 from sao.rollout.remote.collective import WeightGroup
-from sao.rollout.remote.http_engine import ModelIdentity, VLLMEngine
+from sao.rollout.remote.http_engine import ModelIdentity
 from sao.rollout.remote.launch import free_port, launch_servers
 from sao.rollout.remote.router import EngineRouter
 from sao.rollout.remote.sglang_engine import SGLangEngine
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import BroadcastWeights, TensorWeights, write_weights
 
 __all__ = ["Publish", "open_rollout_engine"]

@@ -18,8 +18,8 @@ from sao.envs.base import Task
 from sao.envs.latency import LatencyWrapper
 from sao.envs.registry import make_task
 from sao.models.device import DeviceError, resolve_device, resolve_dtype
-from sao.models.freeze import freeze_attention
 from sao.models.fetch import resolve_model_path
+from sao.models.freeze import freeze_attention
 from sao.models.loading import load_policy, load_tokenizer, policy_shell
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits

@@ -165,16 +165,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
     )
     restored = _restore(p, ckpt, gate, buffer)
     handle = await _trainer(p, ckpt, task)
-    logger = RunLogger(
-        run_dir,
-        total_steps=total,
-        tensorboard=cfg.log.tensorboard,
-        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
-        mlflow_experiment=cfg.log.mlflow_experiment if cfg.log.mlflow else None,
-        live=cfg.log.live,
-        print_every=cfg.log.print_every,
-        config=to_dict(cfg),
-    )
+    logger = _logger(cfg, run_dir, total)
     ledger = Ledger.open(run_dir, enabled=cfg.log.ledger, start_step=restored[1])
     samples = EvalSamples(run_dir, p.tokenizer, cfg.log.eval_samples, logger)
     try:
@@ -182,20 +173,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
             report = FailureLog(run_dir / FAILURES, logger.print)
             orch = _pipeline(p, runner, gate, buffer, restored, report)
             orch.load_counters(saved_counters(ckpt))  # wall_s, episodes/*, idle: continued
-            kv_kept = cfg.rollout.engine in ("torch", "http")
-            kv_kept = kv_kept and not cfg.rollout.recompute_kv_on_update
-            logger.print(
-                gate.describe(
-                    in_flight=cfg.rollout.in_flight,
-                    kv_kept=kv_kept,
-                    admission=cfg.runtime.admission,
-                )
-            )
-            if cfg.task.name in ("python_tool", "swe") and task is None:  # where model code runs
-                from sao.envs.sandbox import describe_isolation
-
-                allow_root = bool(cfg.task.options.get("allow_root", False))
-                logger.print(describe_isolation(allow_root=allow_root))
+            _announce(cfg, gate, logger, own_task=task is not None)
             if ckpt is None:
                 budget, prints = p.cfg.train.logprob_budget, logger.print
                 await logprob_gate(budget, p.sampling, handle, runner, engine, prints)
@@ -224,14 +202,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
                     on_step=on_step,
                 )
             except NonFiniteError as e:  # bad updates were never applied: export what is left
-                await export_final(
-                    handle,
-                    run_dir / "final",
-                    cfg,
-                    logger.history,
-                    stopped=str(e),
-                    samples=last_evaluation(run_dir / EVAL_SAMPLES),
-                )
+                await _export_stopped(handle, run_dir, cfg, logger, e)
                 raise
         logger.close()
         await _finish(p, handle, run_dir, logger.history)
@@ -240,6 +211,53 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
         ledger.close()
         handle.close()
     return run_dir
+
+
+def _logger(cfg: Config, run_dir: Path, total: int) -> RunLogger:
+    """The run's metrics logger, with the trackers ``log.*`` turns on."""
+    return RunLogger(
+        run_dir,
+        total_steps=total,
+        tensorboard=cfg.log.tensorboard,
+        wandb_project=cfg.log.wandb_project if cfg.log.wandb else None,
+        mlflow_experiment=cfg.log.mlflow_experiment if cfg.log.mlflow else None,
+        live=cfg.log.live,
+        print_every=cfg.log.print_every,
+        config=to_dict(cfg),
+    )
+
+
+def _announce(cfg: Config, gate: StalenessGate, logger: RunLogger, *, own_task: bool) -> None:
+    """Print the staleness rule in force and, for the built-in tasks that run
+    model-written code, the sandbox's isolation."""
+    kv_kept = cfg.rollout.engine in ("torch", "http")
+    kv_kept = kv_kept and not cfg.rollout.recompute_kv_on_update
+    logger.print(
+        gate.describe(
+            in_flight=cfg.rollout.in_flight,
+            kv_kept=kv_kept,
+            admission=cfg.runtime.admission,
+        )
+    )
+    if cfg.task.name in ("python_tool", "swe") and not own_task:  # where model code runs
+        from sao.envs.sandbox import describe_isolation
+
+        allow_root = bool(cfg.task.options.get("allow_root", False))
+        logger.print(describe_isolation(allow_root=allow_root))
+
+
+async def _export_stopped(
+    handle: TrainerHandle, run_dir: Path, cfg: Config, logger: RunLogger, err: NonFiniteError
+) -> None:
+    """Export the policy as it was before the non-finite update, saying why it stopped."""
+    await export_final(
+        handle,
+        run_dir / "final",
+        cfg,
+        logger.history,
+        stopped=str(err),
+        samples=last_evaluation(run_dir / EVAL_SAMPLES),
+    )
 
 
 async def _trainer(p: Parts, ckpt: Path | None, task: TrainTask | None) -> TrainerHandle:

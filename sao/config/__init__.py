@@ -1,10 +1,12 @@
-"""The typed configuration of ``sao train``: sections and validation
-(:mod:`~sao.config.schema`), TOML/YAML files and ``--set`` overrides
+"""The typed configuration of ``sao train``: the sections
+(:mod:`~sao.config.schema`), resolving and validating them
+(:mod:`~sao.config.resolve`), TOML/YAML files and ``--set`` overrides
 (:mod:`~sao.config.sources`), named presets (:mod:`~sao.config.presets`) and
 the generated reference (:mod:`~sao.config.reference`). It imports only
 :mod:`sao.algo` and pydantic."""
 
 from sao.config.presets import PRESETS
+from sao.config.resolve import load_config, to_dict, validate
 from sao.config.schema import (
     AlgoConfig,
     Config,
@@ -15,9 +17,6 @@ from sao.config.schema import (
     RuntimeConfig,
     TaskConfig,
     TrainConfig,
-    load_config,
-    to_dict,
-    validate,
 )
 from sao.config.sources import ConfigError, parse_override, read_file
 

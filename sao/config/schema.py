@@ -1,18 +1,15 @@
 """The typed configuration of ``sao train``: one pydantic model, every field
-documented by the string under it, unknown keys rejected with the closest
-valid key suggested.
+documented by the string under it, unknown keys rejected.
 
 Sources, later ones winning: a named preset (``calc-tiny`` by default), a
-TOML or YAML file, then ``--set a.b=c`` overrides. The resolved config is
-written to the run directory.
+TOML or YAML file, then ``--set a.b=c`` overrides, merged and validated by
+:mod:`~sao.config.resolve`. The resolved config is written to the run
+directory.
 """
 
 from __future__ import annotations
 
-import difflib
 import re
-from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import (
@@ -24,14 +21,12 @@ from pydantic import (
     NonNegativeInt,
     PositiveFloat,
     PositiveInt,
-    ValidationError,
     field_validator,
     model_validator,
 )
 
 from sao.algo.presets import AlgoPreset, Correction, Reduction, Truncation, get_preset
-from sao.config.presets import PRESETS  # (also sao.config's API)
-from sao.config.sources import ConfigError, parse_override, read_file  # (also sao.config's API)
+from sao.config.sources import ConfigError
 
 
 class _Section(BaseModel):
@@ -382,137 +377,3 @@ class Config(_Section):
     runtime: RuntimeConfig = RuntimeConfig()
     eval: EvalConfig = EvalConfig()
     log: LogConfig = LogConfig()
-
-
-def _suggest(key: str, valid: Sequence[str]) -> str:
-    close = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
-    return f" Did you mean {close[0]!r}?" if close else f" Valid keys: {', '.join(valid)}."
-
-
-def _check_critic_ranks(cfg: Config, groups: int) -> None:
-    n = cfg.runtime.critic_ranks
-    if not n:
-        return
-    if cfg.runtime.backend != "ray":
-        raise ConfigError(
-            "runtime.critic_ranks > 0 needs runtime.backend=ray (ranks are Ray actors)"
-        )
-    if not cfg.algo.resolve().use_critic:
-        raise ConfigError(
-            f"runtime.critic_ranks={n} but algo {cfg.algo.resolve().name!r} trains no critic; "
-            "set runtime.critic_ranks=0"
-        )
-    if n > groups:
-        raise ConfigError(
-            f"runtime.critic_ranks ({n}) exceeds the groups per batch ({groups}): groups are "
-            "trained whole on one rank, so some ranks would have nothing to train"
-        )
-
-
-def _check_keys(model: type[BaseModel], data: Mapping[str, Any], prefix: str = "") -> None:
-    """Reject unknown keys, naming the closest valid one."""
-    valid = list(model.model_fields)
-    for key, value in data.items():
-        if key not in model.model_fields:  # (YAML keys need not be strings: `1: x`)
-            hint = _suggest(str(key), valid)
-            hint = hint.replace("'", "'" + prefix, 1) if prefix else hint
-            raise ConfigError(f"unknown config key {prefix + str(key)!r}.{hint}")
-        ann = model.model_fields[key].annotation
-        if isinstance(ann, type) and issubclass(ann, BaseModel) and isinstance(value, Mapping):
-            _check_keys(ann, value, prefix + key + ".")
-
-
-def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
-    out = dict(base)
-    for k, v in update.items():
-        if k == "algo" and isinstance(v, str):  # `algo = "grpo"` is `algo.preset = "grpo"`
-            v = {"preset": v}
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = _merge(dict(out[k]), v)
-        else:
-            out[k] = dict(v) if isinstance(v, Mapping) else v
-    return out
-
-
-def load_config(
-    preset: str | None = None,
-    file: str | Path | None = None,
-    overrides: Sequence[str] = (),
-) -> Config:
-    """Resolve preset -> file -> ``--set`` overrides into a validated :class:`Config`."""
-    data: dict[str, Any] = {}
-    if file is not None:
-        from_file = read_file(file)
-        preset = from_file.pop("preset", preset)
-        if preset is not None and not isinstance(preset, str):
-            raise ConfigError(
-                f"config file {str(file)!r}: preset must be a name, one of {', '.join(PRESETS)}"
-            )
-        data = _merge(data, from_file)
-    for item in overrides:
-        data = _merge(data, parse_override(item))
-    name = preset or "calc-tiny"
-    if name not in PRESETS:
-        raise ConfigError(f"unknown preset {name!r}.{_suggest(name, sorted(PRESETS))}")
-    base = PRESETS[name]
-    task = data.get("task")
-    task_name = task.get("name") if isinstance(task, Mapping) else None
-    if task_name is not None and task_name != base.get("task", {}).get("name", "calculator"):
-        # another task: the preset's task options belong to its own task
-        base = {k: v for k, v in base.items() if k != "task"}
-    return validate(_merge(base, data))
-
-
-def validate(data: Mapping[str, Any]) -> Config:
-    """Build a Config from a dict; unknown keys and bad values become ConfigError."""
-    _check_keys(Config, data)
-    try:
-        cfg = Config.model_validate(data)
-    except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
-        raise ConfigError("invalid config:\n" + "\n".join(lines)) from None
-    algo = cfg.algo.resolve()
-    G = algo.group_size
-    if cfg.train.batch_size % G:
-        raise ConfigError(
-            f"train.batch_size ({cfg.train.batch_size}) must be a multiple of the group size "
-            f"({G}, algo {algo.name!r}): groups are trained whole"
-        )
-    r = cfg.rollout
-    groups = cfg.train.batch_size // G
-    if cfg.runtime.trainer_ranks > groups:
-        raise ConfigError(
-            f"runtime.trainer_ranks ({cfg.runtime.trainer_ranks}) exceeds the groups per batch "
-            f"({groups} = train.batch_size {cfg.train.batch_size} / group size {G}): groups are "
-            "trained whole on one rank, so some ranks would have nothing to train"
-        )
-    if cfg.runtime.backend == "local" and cfg.runtime.trainer_ranks > 1:
-        raise ConfigError(
-            "runtime.trainer_ranks > 1 needs runtime.backend=ray (the ranks are Ray actors)"
-        )
-    _check_critic_ranks(cfg, groups)
-    if r.engine == "torch" and (r.servers or r.launch):
-        raise ConfigError(
-            "rollout.servers / rollout.launch need rollout.engine = http, vllm or sglang "
-            "(the torch engine runs in this process)"
-        )
-    if r.engine != "torch" and bool(r.servers) == bool(r.launch):
-        raise ConfigError(
-            f"rollout.engine={r.engine!r} needs exactly one of rollout.servers (URLs of running "
-            "servers) or rollout.launch (how many local servers to start)"
-        )
-    if r.weight_transfer == "broadcast" and r.engine not in ("http", "sglang"):
-        raise ConfigError(
-            f"rollout.weight_transfer=broadcast works with rollout.engine=http or sglang, not "
-            f"{r.engine!r} (vLLM's NCCL transfer is not supported yet; use disk)"
-        )
-    if cfg.rollout.in_flight < G:
-        raise ConfigError(
-            f"rollout.in_flight ({cfg.rollout.in_flight}) must be >= the group size ({G})"
-        )
-    return cfg
-
-
-def to_dict(cfg: Config) -> dict[str, Any]:
-    """The resolved config as plain data (written to the run directory)."""
-    return cfg.model_dump(mode="json")

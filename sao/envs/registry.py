@@ -12,12 +12,12 @@ from typing import Any
 from sao.envs.base import Task
 
 _BUILTIN: dict[str, tuple[str, str]] = {
-    "calculator": ("sao.envs.calculator", "CalculatorTask"),
-    "guess_number": ("sao.envs.guess_number", "GuessNumberTask"),
-    "reasoning_gym": ("sao.envs.rgym", "ReasoningGymTask"),
-    "style_shift": ("sao.envs.style_shift", "StyleShiftTask"),
-    "dataset": ("sao.envs.dataset", "DatasetTask"),
-    "python_tool": ("sao.envs.python_tool", "PythonToolTask"),
+    "calculator": ("sao.envs.tiny.calculator", "CalculatorTask"),
+    "guess_number": ("sao.envs.tiny.guess_number", "GuessNumberTask"),
+    "reasoning_gym": ("sao.envs.qa.rgym", "ReasoningGymTask"),
+    "style_shift": ("sao.envs.style.shift", "StyleShiftTask"),
+    "dataset": ("sao.envs.qa.dataset", "DatasetTask"),
+    "python_tool": ("sao.envs.tiny.python_tool", "PythonToolTask"),
     "swe": ("sao.envs.swe", "SweTask"),
 }
 

@@ -368,6 +368,24 @@ def plan(
             raise ConfigError(
                 f"unknown arm {arm!r} of experiment {exp.name!r}.{_closest(arm, list(exp.arms))}"
             )
+    _check_overrides(exp, overrides)
+    _check_sizes(exp, overrides)
+    root = exp_dir.resolve()
+    return [
+        Run(
+            arm,
+            seed,
+            (*exp.base, *overrides, *exp.arms[arm]),
+            root / "runs" / arm / f"seed-{seed}",
+            root / "logs" / arm / f"seed-{seed}.log",
+        )
+        for arm in chosen
+        for seed in range(seeds)
+    ]
+
+
+def _check_overrides(exp: Experiment, overrides: Sequence[str]) -> None:
+    """Refuse a ``--set`` that sets a runner key or a key one of the arms sets."""
     for item in overrides:
         key = _key(item)
         for reserved in RESERVED:
@@ -384,6 +402,11 @@ def plan(
                         "applies to every arm, so it may not set what an arm sets (define a "
                         "grid with --file instead)"
                     )
+
+
+def _check_sizes(exp: Experiment, overrides: Sequence[str]) -> None:
+    """Validate every arm's config; refuse arms that would not train equal
+    trajectories per step and equal actor steps."""
     sizes: dict[str, tuple[int, int]] = {}
     for arm in exp.arms:
         try:
@@ -397,18 +420,6 @@ def plan(
             "arms must train equal trajectories per step and equal actor steps "
             f"(train.batch_size x train.steps: {table})"
         )
-    root = exp_dir.resolve()
-    return [
-        Run(
-            arm,
-            seed,
-            (*exp.base, *overrides, *exp.arms[arm]),
-            root / "runs" / arm / f"seed-{seed}",
-            root / "logs" / arm / f"seed-{seed}.log",
-        )
-        for arm in chosen
-        for seed in range(seeds)
-    ]
 
 
 def claim_dir(exp: Experiment, exp_dir: Path, overrides: Sequence[str]) -> None:

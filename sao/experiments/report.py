@@ -201,7 +201,7 @@ def _schedule(exp_dir: Path, runs: Sequence[RunResult]) -> list[str]:
     )
     if cfg.task.name != "style_shift":
         return []
-    from sao.envs.style_shift import DEFAULT_SCHEDULE
+    from sao.envs.style.shift import DEFAULT_SCHEDULE
 
     return [str(style) for _, style in cfg.task.options.get("schedule", DEFAULT_SCHEDULE)]
 

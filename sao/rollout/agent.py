@@ -456,6 +456,20 @@ async def run_episode(
     if score_error is not None:
         error = score_error if error is None else f"{error}; {score_error}"
         reason = "env_error" if reason in ("stop", "length") else reason
+    traj = _trajectory(ep, prompt_id, group_id, sampling, reward, reason, error)
+    return traj if log is None else await _checked(traj, tokenizer, ep, log, limits, resumed)
+
+
+def _trajectory(
+    ep: _Episode,
+    prompt_id: str,
+    group_id: str,
+    sampling: SamplingParams,
+    reward: float,
+    reason: FinishReason,
+    error: str | None,
+) -> Trajectory:
+    """The finished episode ``ep`` as a :class:`Trajectory`, with its metrics."""
     metrics = {
         "num_turns": float(len(ep.turns)),
         "env_latency_s": ep.env_latency_s,
@@ -465,7 +479,7 @@ async def run_episode(
         "observations_truncated": float(ep.truncated),
         **ep.reported,
     }
-    traj = Trajectory(
+    return Trajectory(
         prompt_id=prompt_id,
         tokens=tuple(ep.tokens),
         action_mask=tuple(ep.action_mask),
@@ -479,4 +493,3 @@ async def run_episode(
         error=error,
         metrics=metrics,
     )
-    return traj if log is None else await _checked(traj, tokenizer, ep, log, limits, resumed)

@@ -24,8 +24,9 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from sao.algo.aggregate import aggregate_denom
 from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
-from sao.algo.losses import aggregate_denom, value_loss
+from sao.algo.losses import value_loss
 from sao.algo.presets import AlgoPreset
 from sao.models.value import ValueModel
 from sao.train.estimators import Stats, Targets, compute_targets, needs_old_logp, policy_loss

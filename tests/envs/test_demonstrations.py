@@ -15,7 +15,7 @@ from sao.cli import TINY_PRESETS
 from sao.config import PRESETS
 from sao.envs.base import Conversation, Env, Split, Task
 from sao.envs.registry import make_task, task_names
-from sao.envs.style_shift import STYLES, StyleShiftEnv, StyleShiftTask
+from sao.envs.style.shift import STYLES, StyleShiftEnv, StyleShiftTask
 from tests.envs.conftest import replay
 
 SIZES = {"python_tool": 24, "swe": 24}

@@ -15,13 +15,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sao.envs.base import Env, Observation, RestorableEnv, Split, StepResult, Task
-from sao.envs.calculator import CalculatorTask, solve_steps
-from sao.envs.dataset import DatasetTask
-from sao.envs.guess_number import GuessNumberTask
 from sao.envs.latency import LatencyEnv, LatencyWrapper, RestorableLatencyEnv
-from sao.envs.python_tool import PythonToolTask
-from sao.envs.style_shift import StyleShiftTask
+from sao.envs.qa.dataset import DatasetTask
+from sao.envs.style.shift import StyleShiftTask
 from sao.envs.swe import SweTask
+from sao.envs.tiny.calculator import CalculatorTask, solve_steps
+from sao.envs.tiny.guess_number import GuessNumberTask
+from sao.envs.tiny.python_tool import PythonToolTask
 
 Actions = Callable[[Env], list[str]]
 """The scripted replies for one env (they may depend on its problem)."""
@@ -128,7 +128,7 @@ def dataset_task(tmp_path: Path) -> Task:
 
 def rgym_task(tmp_path: Path) -> Task:
     pytest.importorskip("reasoning_gym")
-    from sao.envs.rgym import ReasoningGymTask
+    from sao.envs.qa.rgym import ReasoningGymTask
 
     return ReasoningGymTask("basic_arithmetic", train_size=20, eval_size=3)
 

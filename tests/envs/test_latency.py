@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from sao.envs.base import Env, StepAware, Task
-from sao.envs.calculator import CalculatorTask, solve_steps
 from sao.envs.latency import Distribution, LatencyEnv, LatencyWrapper
-from sao.envs.style_shift import StyleShiftTask
+from sao.envs.style.shift import StyleShiftTask
+from sao.envs.tiny.calculator import CalculatorTask, solve_steps
 from tests.envs.conftest import play
 
 

@@ -35,8 +35,9 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
 from sao.rollout.remote import launch
-from sao.rollout.remote.http_engine import EngineSetupError, ModelIdentity, VLLMEngine
+from sao.rollout.remote.http_engine import EngineSetupError, ModelIdentity
 from sao.rollout.remote.launch import LaunchedServer, launch_servers
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import read_weights, write_weights
 from sao.types import SamplingParams
 

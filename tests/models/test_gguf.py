@@ -246,7 +246,9 @@ def test_model_path_naming_a_packaged_checkpoint_needs_it_fetched(
     ckpt = fetch.PackagedCheckpoint("tiny-pkg", "1.0", "tiny_pkg/tiny.gguf", "", "a test")
     monkeypatch.setitem(fetch.CHECKPOINTS, "tiny", ckpt)
     cfg = load_config(overrides=["model.path=tiny"])
-    with pytest.raises(fetch.FetchError, match=r"'tiny' names a packaged .*`sao models fetch tiny`"):
+    with pytest.raises(
+        fetch.FetchError, match=r"'tiny' names a packaged .*`sao models fetch tiny`"
+    ):
         policy_path(cfg)  # a run never installs
     (fetch.package_dir(ckpt) / "tiny_pkg").mkdir(parents=True)
     shutil.copy(tiny_gguf, fetch.package_dir(ckpt) / ckpt.file)

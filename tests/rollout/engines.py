@@ -26,9 +26,9 @@ from transformers import PreTrainedModel
 
 from sao.rollout.embedded.engine import TorchEngine
 from sao.rollout.remote.collective import init_weight_group, receive_tensors
-from sao.rollout.remote.http_engine import VLLMEngine
 from sao.rollout.remote.server import EngineServer, _sampling
 from sao.rollout.remote.sglang_engine import SGLangEngine
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import read_weights
 
 KINDS = ("torch", "sao-serve", "vllm-protocol", "sglang-fake")

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from sao.rollout.remote.http_engine import EngineError, VLLMEngine
+from sao.rollout.remote.http_engine import EngineError
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import DiskWeights, TensorWeights, write_weights
 from sao.types import SamplingParams
 from tests.rollout.embedded.test_engine import build, reference_logp

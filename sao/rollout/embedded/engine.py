@@ -83,6 +83,28 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_SEQ_LEN_CAP = 4096
 
 
+def _check_options(
+    max_batch_size: int,
+    max_prefill_tokens: int,
+    max_cached_prefixes: int | None,
+    *,
+    reuse_stale_prefix: bool,
+    recompute_kv_on_update: bool,
+) -> None:
+    """Refuse :class:`TorchEngine` options that cannot work, naming the option."""
+    if max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+    if max_prefill_tokens < 1:
+        raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+    if max_cached_prefixes is not None and max_cached_prefixes < 0:
+        raise ValueError(f"max_cached_prefixes must be >= 0, got {max_cached_prefixes}")
+    if reuse_stale_prefix and recompute_kv_on_update:
+        raise ValueError(
+            "reuse_stale_prefix=True keeps caches of older weights, which "
+            "recompute_kv_on_update=True exists to avoid; set one of them to False"
+        )
+
+
 class TorchEngine:
     """Embedded engine implementing :class:`sao.rollout.engine.Engine`.
 
@@ -134,17 +156,13 @@ class TorchEngine:
         max_cached_prefixes: int | None = None,
         reuse_stale_prefix: bool = False,
     ) -> None:
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-        if max_prefill_tokens < 1:
-            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
-        if max_cached_prefixes is not None and max_cached_prefixes < 0:
-            raise ValueError(f"max_cached_prefixes must be >= 0, got {max_cached_prefixes}")
-        if reuse_stale_prefix and recompute_kv_on_update:
-            raise ValueError(
-                "reuse_stale_prefix=True keeps caches of older weights, which "
-                "recompute_kv_on_update=True exists to avoid; set one of them to False"
-            )
+        _check_options(
+            max_batch_size,
+            max_prefill_tokens,
+            max_cached_prefixes,
+            reuse_stale_prefix=reuse_stale_prefix,
+            recompute_kv_on_update=recompute_kv_on_update,
+        )
         self._model = cast(Any, copy.deepcopy(model).to(device=device, dtype=dtype).eval())
         self._model.requires_grad_(False)
         config = self._model.config
@@ -159,26 +177,12 @@ class TorchEngine:
         self.vocab_size = int(self._model.get_input_embeddings().num_embeddings)
         generation_config = getattr(self._model, "generation_config", None)
         self.eos_token_ids = default_stop_ids(config, generation_config, tokenizer)
-        forward: CachedForward = (
-            StaticKVForward(
-                self._model, max_batch_size=max_batch_size, max_seq_len=self.max_seq_len
-            )
-            if supports_static_kv(self._model)
-            else DynamicCacheForward(self._model)
-        )
-        self._weights = self._model.state_dict()
-        parked_cap = max_batch_size if max_cached_prefixes is None else max_cached_prefixes
-        if not (prefix_cache and isinstance(forward, StaticKVForward)):
-            parked_cap = 0  # the fallback forward cannot prefill on top of a prefix
-        self._sched = Scheduler(
-            forward,
-            self._weights,
-            max_batch_size=max_batch_size,
-            max_seq_len=self.max_seq_len,
+        self._init_scheduler(
+            version=version,
             max_prefill_tokens=max_prefill_tokens,
             recompute_kv_on_update=recompute_kv_on_update,
-            version=version,
-            max_cached_prefixes=parked_cap,
+            prefix_cache=prefix_cache,
+            max_cached_prefixes=max_cached_prefixes,
             reuse_stale_prefix=reuse_stale_prefix,
         )
         self._step_callback = step_callback
@@ -191,6 +195,41 @@ class TorchEngine:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="sao-torch-engine", daemon=True)
         self._thread.start()
+
+    def _init_scheduler(
+        self,
+        *,
+        version: int,
+        max_prefill_tokens: int,
+        recompute_kv_on_update: bool,
+        prefix_cache: bool,
+        max_cached_prefixes: int | None,
+        reuse_stale_prefix: bool,
+    ) -> None:
+        """Pick the forward (the batched static-KV one where the architecture
+        has it) and build the scheduler over the engine's copy of the weights."""
+        forward: CachedForward = (
+            StaticKVForward(
+                self._model, max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len
+            )
+            if supports_static_kv(self._model)
+            else DynamicCacheForward(self._model)
+        )
+        self._weights = self._model.state_dict()
+        parked_cap = self.max_batch_size if max_cached_prefixes is None else max_cached_prefixes
+        if not (prefix_cache and isinstance(forward, StaticKVForward)):
+            parked_cap = 0  # the fallback forward cannot prefill on top of a prefix
+        self._sched = Scheduler(
+            forward,
+            self._weights,
+            max_batch_size=self.max_batch_size,
+            max_seq_len=self.max_seq_len,
+            max_prefill_tokens=max_prefill_tokens,
+            recompute_kv_on_update=recompute_kv_on_update,
+            version=version,
+            max_cached_prefixes=parked_cap,
+            reuse_stale_prefix=reuse_stale_prefix,
+        )
 
     @property
     def version(self) -> int:

@@ -1,6 +1,9 @@
-"""Engines over HTTP: vLLM (and ``sao serve``, which speaks its subset) and
-SGLang, behind the same :class:`~sao.rollout.engine.Engine` protocol as the
-embedded engine.
+"""The shared client of the engines over HTTP, behind the same
+:class:`~sao.rollout.engine.Engine` protocol as the embedded engine: the
+session, errors, model identity checks, the per-token version rule and the
+abort-and-resubmit loop. The servers' own routes are in
+:mod:`~sao.rollout.remote.vllm_engine` (vLLM and ``sao serve``) and
+:mod:`~sao.rollout.remote.sglang_engine` (SGLang).
 
 Per-token versions. ``sao serve`` reports the version of every token. vLLM
 and SGLang do not, so the client makes the version of every token known by
@@ -39,11 +42,11 @@ from typing import Any, cast
 
 import aiohttp
 
-from sao.rollout.remote.collective import WeightGroup, describe
+from sao.rollout.remote.collective import WeightGroup
 from sao.rollout.weights import BroadcastWeights, DiskWeights, WeightSource
 from sao.types import Completion, CompletionFinish, SamplingParams
 
-__all__ = ["EngineError", "EngineSetupError", "ModelIdentity", "VLLMEngine"]
+__all__ = ["EngineError", "EngineSetupError", "ModelIdentity"]
 
 
 class EngineError(RuntimeError):
@@ -353,159 +356,3 @@ def _refuse_mismatch(kind: str, url: str, ours: ModelIdentity, theirs: ModelIden
             f"trainer's policy is {ours.path!r} ({'; '.join(diff)}). Start the server on the "
             "policy checkpoint (or point rollout.servers at the right server)"
         )
-
-
-class VLLMEngine(_HttpEngine):
-    """vLLM's OpenAI-compatible server, or ``sao serve`` (same routes).
-
-    The server must run with the RL routes enabled (``VLLM_SERVER_DEV_MODE=1``)
-    and, at a temperature other than 1, ``--logprobs-mode processed_logprobs``
-    (vLLM's default log-probabilities are taken before temperature, which
-    would make the DIS ratio wrong; the log-prob preflight catches it).
-
-    ``refresh_tied_head``: reload through the sao worker extension's
-    ``reload_weights_and_refresh`` (the server was started with
-    ``--worker-extension-cls sao.rollout.remote.vllm_worker.SaoWorkerExtension``, as
-    ``rollout.launch`` does) instead of plain ``reload_weights``, whose CPU path
-    leaves a tied LM head multiplying by the old embedding.
-    """
-
-    kind = "vllm"
-
-    def __init__(
-        self,
-        url: str,
-        *,
-        version: int = 0,
-        request_timeout_s: float = 600.0,
-        max_seq_len: int | None = None,
-        refresh_tied_head: bool = False,
-    ) -> None:
-        super().__init__(
-            url, version=version, request_timeout_s=request_timeout_s, max_seq_len=max_seq_len
-        )
-        self.refresh_tied_head = refresh_tied_head
-
-    async def connect(self, identity: ModelIdentity | None, timeout_s: float = 30.0) -> None:
-        await self.wait_ready(timeout_s)
-        data = await self._ok("GET", "/v1/models")
-        models = (data or {}).get("data") or []
-        if not models:
-            raise EngineSetupError(f"{self.kind} server {self.url} lists no model on /v1/models")
-        info = models[0]
-        self.model_name = str(info.get("id", ""))
-        if info.get("max_model_len") and not hasattr(self, "max_seq_len"):
-            self.max_seq_len = int(info["max_model_len"])
-        sao_info = info.get("sao")
-        if isinstance(sao_info, dict):
-            self.kind = "sao serve"
-            self.keeps_versions = True  # it reports the version of every token
-            self._version = int(sao_info.get("version", self._version))
-        if identity is not None:
-            theirs = (
-                ModelIdentity(
-                    str(info.get("root", self.model_name)),
-                    int(sao_info.get("vocab_size", 0) or 0),
-                    str(sao_info.get("model_type", "")),
-                    int(sao_info.get("num_hidden_layers", 0) or 0),
-                    int(sao_info.get("hidden_size", 0) or 0),
-                )
-                if isinstance(sao_info, dict)
-                else _local_identity(str(info.get("root", "")))
-            )
-            if theirs is not None:
-                _refuse_mismatch(self.kind, self.url, identity, theirs)
-        status, body = await self._call("GET", "/is_paused")
-        if status == 404:
-            raise EngineSetupError(
-                f"{self.kind} server {self.url} has no RL routes (/pause, /collective_rpc "
-                "answered 404): start vLLM with the environment variable VLLM_SERVER_DEV_MODE=1"
-            )
-        if isinstance(body, dict) and body.get("is_paused"):
-            await self._resume()
-
-    async def _complete(self, prompt: list[int], sampling: SamplingParams) -> _Part:
-        body: dict[str, Any] = {
-            "model": self.model_name,
-            "prompt": prompt,
-            "max_tokens": sampling.max_new_tokens,
-            "temperature": sampling.temperature,
-            "top_p": sampling.top_p,
-            "top_k": sampling.top_k if sampling.top_k > 0 else -1,
-            "logprobs": 0,
-            "return_token_ids": True,
-            "return_tokens_as_token_ids": True,
-            "skip_special_tokens": False,
-            "include_stop_str_in_output": True,
-        }
-        if sampling.seed is not None:
-            body["seed"] = sampling.seed
-        if sampling.stop_token_ids:
-            body["stop_token_ids"] = list(sampling.stop_token_ids)
-        if sampling.stop_strings:
-            body["stop"] = list(sampling.stop_strings)
-        data = await self._ok("POST", "/v1/completions", body)
-        try:
-            choice = data["choices"][0]
-            lp = choice.get("logprobs") or {}
-            ids = choice.get("token_ids")
-            if ids is None:
-                ids = [int(str(t).rsplit(":", 1)[-1]) for t in lp.get("tokens") or []]
-            logps = [float(x) for x in lp.get("token_logprobs") or []]
-            versions = choice.get("sao_versions")
-            finish = str(choice.get("finish_reason") or "length")
-        except (KeyError, IndexError, TypeError, ValueError) as err:
-            raise EngineError(
-                f"{self.kind} server {self.url}: unexpected completion {data!r:.300}"
-            ) from err
-        if len(logps) != len(ids):
-            raise EngineError(
-                f"{self.kind} server {self.url} returned {len(ids)} tokens but {len(logps)} "
-                "log-probabilities (send logprobs=0 and return_token_ids=true)"
-            )
-        return _Part(
-            [int(t) for t in ids], logps, None if versions is None else list(versions), finish
-        )
-
-    @property
-    def supports_broadcast(self) -> bool:
-        # vLLM's own NCCL transfer needs its trainer-side group (vLLM's
-        # StatelessProcessGroup), which is not built; `sao serve` joins a torch group.
-        return self.kind == "sao serve"
-
-    @property
-    def weight_sources(self) -> tuple[type, ...]:
-        return (DiskWeights, BroadcastWeights) if self.supports_broadcast else (DiskWeights,)
-
-    async def _join(self, group: WeightGroup, rank_offset: int) -> None:
-        info = {
-            "master_address": group.master_address,
-            "master_port": group.master_port,
-            "rank_offset": rank_offset,
-            "world_size": group.world_size,
-            "backend": group.backend,
-            "group_name": group.group_name,
-        }
-        await self._ok("POST", "/init_weight_transfer_engine", {"init_info": info})
-
-    async def _receive(self, source: BroadcastWeights) -> None:
-        info = describe(source.state_dict)
-        await self._ok("POST", "/update_weights", {"update_info": info, "version": source.version})
-
-    async def _pause(self) -> None:
-        await self._ok("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})
-
-    async def _reload(self, source: DiskWeights) -> None:
-        method = "reload_weights_and_refresh" if self.refresh_tied_head else "reload_weights"
-        body = {"method": method, "kwargs": {"weights_path": str(source.path)}}
-        await self._ok("POST", "/collective_rpc", body)
-        await self._ok("POST", "/update_weight_version", {"new_version": str(source.version)})
-        for _ in range(50):  # vLLM answers success=false while a request still runs
-            done = await self._ok("POST", "/reset_prefix_cache")
-            if not (isinstance(done, dict) and done.get("success") is False):
-                return
-            await asyncio.sleep(0.05)
-        raise EngineError(f"{self.kind} server {self.url} did not reset its prefix cache")
-
-    async def _resume(self) -> None:
-        await self._ok("POST", "/resume")

@@ -1,5 +1,5 @@
 """``sao serve``: the embedded engine behind the vLLM-compatible HTTP subset
-that :class:`~sao.rollout.remote.http_engine.VLLMEngine` speaks, so rollouts can run
+that :class:`~sao.rollout.remote.vllm_engine.VLLMEngine` speaks, so rollouts can run
 in other processes or on other machines without vLLM.
 
 Routes (request and response fields as vLLM's OpenAI-compatible server):

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from sao.envs.python_tool import PythonToolTask, tool_observation
 from sao.envs.sandbox import SandboxResult, describe_isolation
 from sao.envs.sandbox import config as _sandbox_config
 from sao.envs.sandbox.limits import memory_cgroup_parent, seccomp_program
+from sao.envs.tiny.python_tool import PythonToolTask, tool_observation
 from tests.envs.conftest import play
 from tests.envs.sandbox.test_sandbox import IS_ROOT, assert_clean, assert_next_run_works, run
 

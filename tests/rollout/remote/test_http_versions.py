@@ -17,8 +17,8 @@ import torch
 from aiohttp import web
 
 from sao.rollout.embedded.engine import TorchEngine
-from sao.rollout.remote.http_engine import VLLMEngine
 from sao.rollout.remote.server import EngineServer
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import write_weights
 from sao.types import Completion, SamplingParams
 from tests.rollout.embedded.test_engine import build, reference_logp

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from sao.rollout.remote.http_engine import EngineSetupError, VLLMEngine
+from sao.rollout.remote.http_engine import EngineSetupError
 from sao.rollout.remote.launch import launch_servers, server_command
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.types import SamplingParams
 
 KW = dict(max_seq_len=128, max_batch_size=4, dtype="float32", device="cpu")

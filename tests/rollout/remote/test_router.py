@@ -13,9 +13,10 @@ from aiohttp import web
 
 from sao.rollout.embedded.engine import TorchEngine
 from sao.rollout.engine import episode_key
-from sao.rollout.remote.http_engine import EngineSetupError, ModelIdentity, VLLMEngine
+from sao.rollout.remote.http_engine import EngineSetupError, ModelIdentity
 from sao.rollout.remote.router import EngineRouter, NoLiveEngineError
 from sao.rollout.remote.server import EngineServer
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import write_weights
 from sao.types import SamplingParams
 from tests.rollout.embedded.test_engine import build

@@ -14,8 +14,8 @@ import torch
 from aiohttp import web
 
 import sao
-from sao.rollout.remote.http_engine import VLLMEngine
 from sao.rollout.remote.launch import VLLM_WORKER_EXTENSION, sao_import_root, server_command
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.remote.vllm_worker import SaoWorkerExtension, _refresh_tied_prepacked
 from sao.rollout.weights import DiskWeights
 

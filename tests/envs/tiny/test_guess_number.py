@@ -8,8 +8,8 @@ from collections import Counter
 import pytest
 
 from sao.envs.base import Conversation, Env, Task
-from sao.envs.guess_number import FORMAT_HINT, GuessNumberEnv, GuessNumberTask
 from sao.envs.registry import make_task
+from sao.envs.tiny.guess_number import FORMAT_HINT, GuessNumberEnv, GuessNumberTask
 from tests.envs.conftest import Episode, play, play_policy, replay
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sao.envs.base import Env, Task
-from sao.envs.dataset import (
+from sao.envs.qa.dataset import (
     DatasetTask,
     exact_score,
     extract_answer,

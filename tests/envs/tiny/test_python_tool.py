@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from sao.envs.base import Env, Message, Split, Task
-from sao.envs.python_tool import (
+from sao.envs.tiny.python_tool import (
     KINDS,
     Problem,
     PythonToolEnv,

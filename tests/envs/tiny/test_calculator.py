@@ -7,7 +7,8 @@ import asyncio
 import pytest
 
 from sao.envs.base import Env, Message, Task
-from sao.envs.calculator import (
+from sao.envs.registry import make_task
+from sao.envs.tiny.calculator import (
     FORMAT_HINT,
     CalcError,
     CalculatorEnv,
@@ -15,7 +16,6 @@ from sao.envs.calculator import (
     evaluate,
     solve_steps,
 )
-from sao.envs.registry import make_task
 from tests.envs.conftest import play, play_policy, replay
 
 

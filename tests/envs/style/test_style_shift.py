@@ -17,8 +17,8 @@ import pytest
 
 from sao.envs.base import Env, StepAware, Task
 from sao.envs.registry import make_task
-from sao.envs.style_judges import style_share, style_votes
-from sao.envs.style_shift import (
+from sao.envs.style.judges import style_share, style_votes
+from sao.envs.style.shift import (
     FORMAT_HINT,
     STYLES,
     BuiltinJudge,

@@ -10,7 +10,7 @@ import pytest
 
 pytest.importorskip("math_verify")
 
-from sao.envs.answers import exact_score, extract_answer, is_value, math_score
+from sao.envs.qa.answers import exact_score, extract_answer, is_value, math_score
 
 
 @pytest.mark.parametrize("reply", ["16 - 45", "16-45", "16 - 45\n"])

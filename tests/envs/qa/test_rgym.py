@@ -8,7 +8,7 @@ import pytest
 pytest.importorskip("reasoning_gym")
 
 from sao.envs.base import Env, Task
-from sao.envs.rgym import ReasoningGymTask, dataset_names
+from sao.envs.qa.rgym import ReasoningGymTask, dataset_names
 from tests.envs.conftest import play
 
 NAMES = ("basic_arithmetic", "leg_counting")
@@ -124,9 +124,7 @@ def test_shots_come_first_as_answered_chat_turns_from_the_train_split() -> None:
 
 def test_the_math_scorer_gives_no_partial_credit_and_wants_a_value() -> None:
     task = ReasoningGymTask("basic_arithmetic", seed=1, eval_size=5, train_size=50)
-    strict = ReasoningGymTask(
-        "basic_arithmetic", seed=1, eval_size=5, train_size=50, scorer="math"
-    )
+    strict = ReasoningGymTask("basic_arithmetic", seed=1, eval_size=5, train_size=50, scorer="math")
     entry = strict.entry("eval", 0)
     answer, expression = str(entry["answer"]), str(entry["metadata"]["expression"])
     padded = f"answer {answer}0"  # contains the reference: the dataset's own scorer credits it

@@ -18,12 +18,12 @@ and the reference: ``\\boxed{1/2}`` matches ``0.5``), ``"exact"`` (normalised
 text equality) or any callable ``(response, answer) -> float`` (given the whole
 reply). The final answer comes from a marker: what follows the last line
 starting with ``answer``, else the last ``\\boxed{...}``, else an ``<answer>``
-tag (:func:`~sao.envs.answers.extract_answer`); a reply without one scores 0
+tag (:func:`~sao.envs.qa.answers.extract_answer`); a reply without one scores 0
 and reports ``metric/format/missing_answer``. ``require_marker=False`` scores
 the whole reply instead, which a policy can game by echoing the question's
 computation (``16 - 45`` for ``What is 16 - 45?``); ``require_value=False``
 lets ``"math"`` accept an expression for a numeric reference (both in
-:mod:`sao.envs.answers`). A scorer that raises, or returns something that is
+:mod:`sao.envs.qa.answers`). A scorer that raises, or returns something that is
 not a finite number, gives reward 0 and its reason in the step's ``info``.
 """
 
@@ -41,8 +41,8 @@ from pathlib import Path
 from sao.envs._split import stable_hash
 from sao.envs._state import expect_same, read, read_optional
 from sao.envs._tools import as_observation
-from sao.envs.answers import MISSING_ANSWER, exact_score, extract_answer, math_score
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
+from sao.envs.qa.answers import MISSING_ANSWER, exact_score, extract_answer, math_score
 
 __all__ = [
     "INSTRUCTION",

@@ -1,19 +1,19 @@
 """``reasoning_gym``: any reasoning-gym dataset as a single-turn task.
 
 The prompt is the entry's question plus a short instruction; the reply's
-final answer (:func:`sao.envs.answers.extract_answer`: what follows the last
+final answer (:func:`sao.envs.qa.answers.extract_answer`: what follows the last
 ``answer`` line, else a ``\\boxed{}`` or ``<answer>`` tag) is scored by the
 dataset's own ``score_answer(answer, entry)`` (``scorer="dataset"``, which
 gives partial credit to an answer that contains the reference: ``13`` for
 ``3`` scores 0.5), or by math-verify against ``entry['answer']``
 (``scorer="math"``: 1 for the same value, else 0; an expression for a number
-scores 0, see :func:`sao.envs.answers.math_score`). ``shots`` > 0 puts that
+scores 0, see :func:`sao.envs.qa.answers.math_score`). ``shots`` > 0 puts that
 many fixed train entries before the question as earlier chat turns, each
 answered ``answer X`` (few-shot in the chat template: a pretrained model sees
 the format instead of reading about it). A reply without a marker
 scores 0 and reports ``metric/format/missing_answer``; ``require_marker=False``
 scores the whole reply instead (open to echoing the question's computation,
-see :mod:`sao.envs.answers`). An episode::
+see :mod:`sao.envs.qa.answers`). An episode::
 
     user:      Calculate 5 - 3 - 6.
                Finish with 'answer X'.
@@ -35,9 +35,9 @@ from collections.abc import Mapping, Sequence
 from typing import Literal, Protocol
 
 from sao.envs._state import expect_same, read, read_optional
-from sao.envs.answers import MISSING_ANSWER, extract_answer, math_score
 from sao.envs.base import Conversation, Message, Observation, Split, StepResult
-from sao.envs.dataset import INSTRUCTION, answer_demo, safe_score, wrong_answer
+from sao.envs.qa.answers import MISSING_ANSWER, extract_answer, math_score
+from sao.envs.qa.dataset import INSTRUCTION, answer_demo, safe_score, wrong_answer
 
 __all__ = ["ReasoningGymEnv", "ReasoningGymTask", "dataset_names"]
 
@@ -172,7 +172,7 @@ class ReasoningGymTask:
     question (None for none), an optional ``system`` message,
     ``error_rate`` the share of demonstrations with a wrong answer,
     ``require_marker`` (False: a reply without an answer marker is scored
-    whole, see :mod:`sao.envs.answers`), ``scorer`` and ``shots`` (module
+    whole, see :mod:`sao.envs.qa.answers`), ``scorer`` and ``shots`` (module
     docstring)."""
 
     name = "reasoning_gym"

@@ -19,7 +19,7 @@ per style.
 
 ``credit="partial"`` (an option; the paper's reward is binary) replaces the
 style match by the share of the text's style votes that the preferred style
-holds (:func:`~sao.envs.style_judges.style_share`: the tag is one vote, each
+holds (:func:`~sao.envs.style.judges.style_share`: the tag is one vote, each
 marker word one), so a text that drifts toward the new style after a switch
 earns something before it is wholly in that style; an episode succeeds when
 the share is above one half. Optionally an LLM behind an OpenAI-compatible endpoint judges
@@ -42,7 +42,7 @@ from dataclasses import asdict
 from sao.envs._state import expect_same, read, read_optional
 from sao.envs._tools import Transcript, as_observation, opening
 from sao.envs.base import Conversation, Observation, Split, StepResult
-from sao.envs.style_judges import (
+from sao.envs.style.judges import (
     MARKERS,
     MAX_TEXT,
     STYLES,
