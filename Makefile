@@ -34,7 +34,8 @@ typecheck: install
 test: lint typecheck
 	$(VENV)/bin/pytest -q --durations=15
 
-# Against a real vLLM (CPU build, installed once into ~/.cache/sao/venvs, ~70 s, 3.4 GB).
+# Against a real vLLM (CPU build, installed once into $SAO_HOME/venvs, default
+# ~/.cache/sao/venvs, ~70 s, 3.4 GB).
 # The script's stdout is only the venv's python; `test -x` keeps a failed install
 # from turning into skipped tests.
 test-vllm: install

