@@ -66,8 +66,10 @@ def _eval(args: argparse.Namespace) -> int:
         cfg = validate(yaml.safe_load((target / "config.yaml").read_text()))
         model_dir = target / "final"
     else:
+        from sao.models.fetch import resolve_model_path
+
         cfg = _load(args)
-        model_dir = target
+        model_dir = resolve_model_path(args.target)  # a directory, a .gguf or a fetched name
     options = {"seed": cfg.seed, **cfg.task.options}
     r = cfg.rollout
     success, shown = held_out(
@@ -313,7 +315,11 @@ def parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(func=_train)
     p = sub.add_parser("eval", help="held-out success of a run directory or checkpoint")
-    p.add_argument("target", help="RUN_DIR or a Hugging Face checkpoint directory")
+    p.add_argument(
+        "target",
+        help="RUN_DIR, a Hugging Face checkpoint directory, a .gguf file or a fetched "
+        "checkpoint's name (smollm2-135m)",
+    )
     p.add_argument("--episodes", type=int, default=200)
     p.add_argument(
         "--show",

@@ -9,8 +9,10 @@ gives partial credit to an answer that contains the reference: ``13`` for
 (``scorer="math"``: 1 for the same value, else 0; an expression for a number
 scores 0, see :func:`sao.envs.qa.answers.math_score`). ``shots`` > 0 puts that
 many fixed train entries before the question as earlier chat turns, each
-answered ``answer X`` (few-shot in the chat template: a pretrained model sees
-the format instead of reading about it). A reply without a marker
+answered by ``shot_reply`` filled from the entry (``{answer}`` and the fields
+of its ``metadata``, e.g. ``{expression} = {answer}\nanswer {answer}``): few-shot
+in the chat template, so a pretrained model sees the format instead of
+reading about it. A reply without a marker
 scores 0 and reports ``metric/format/missing_answer``; ``require_marker=False``
 scores the whole reply instead (open to echoing the question's computation,
 see :mod:`sao.envs.qa.answers`). An episode::
@@ -87,7 +89,7 @@ class ReasoningGymEnv:
         system: str | None,
         require_marker: bool = True,
         scorer: Literal["dataset", "math"] = "dataset",
-        shots: Sequence[Entry] = (),
+        shots: Sequence[tuple[Entry, str]] = (),
     ) -> None:
         self.entry = entry
         self.dataset = dataset
@@ -106,10 +108,10 @@ class ReasoningGymEnv:
 
     def first_messages(self) -> list[Message]:
         """The question with the instruction appended, after the system message if set
-        and the shots (each a question and its ``answer X`` reply)."""
+        and the shots (each a question and its reply)."""
         msgs = [Message("system", self.system)] if self.system else []
-        for shot in self.shots:
-            msgs += [self._question(shot), Message("assistant", f"answer {shot['answer']}")]
+        for shot, reply in self.shots:
+            msgs += [self._question(shot), Message("assistant", reply)]
         return [*msgs, self._question(self.entry)]
 
     def first_observation(self) -> Observation:
@@ -172,8 +174,8 @@ class ReasoningGymTask:
     question (None for none), an optional ``system`` message,
     ``error_rate`` the share of demonstrations with a wrong answer,
     ``require_marker`` (False: a reply without an answer marker is scored
-    whole, see :mod:`sao.envs.qa.answers`), ``scorer`` and ``shots`` (module
-    docstring)."""
+    whole, see :mod:`sao.envs.qa.answers`), ``scorer``, ``shots`` and
+    ``shot_reply`` (module docstring)."""
 
     name = "reasoning_gym"
 
@@ -191,6 +193,7 @@ class ReasoningGymTask:
         require_marker: bool = True,
         scorer: Literal["dataset", "math"] = "dataset",
         shots: int = 0,
+        shot_reply: str = "answer {answer}",
     ) -> None:
         _check(isinstance(require_marker, bool), "require_marker", "use true or false")
         _check(scorer in ("dataset", "math"), "scorer", f"use 'dataset' or 'math', not {scorer!r}")
@@ -215,9 +218,9 @@ class ReasoningGymTask:
         self._eval_questions: set[str] | None = None
         self.instruction, self.system, self.error_rate = instruction, system, error_rate
         self.require_marker, self.scorer = require_marker, scorer
-        self.shots = self._shots(shots)
+        self.shots = tuple((e, _fill(shot_reply, e)) for e in self._shot_entries(shots))
 
-    def _shots(self, n: int) -> tuple[Entry, ...]:
+    def _shot_entries(self, n: int) -> list[Entry]:
         """The first ``n`` train entries with distinct questions (never eval ones)."""
         shots: dict[str, Entry] = {}
         for index in range(_MAX_SKIPS):
@@ -226,7 +229,7 @@ class ReasoningGymTask:
             entry = self.entry("train", index)
             shots.setdefault(str(entry["question"]), entry)
         _check(len(shots) == n, "shots", f"the train split has fewer than {n} distinct questions")
-        return tuple(shots.values())
+        return list(shots.values())
 
     def _create(self, seed: int, size: int) -> GymDataset:
         import reasoning_gym  # optional dependency, imported on use
@@ -294,6 +297,20 @@ class ReasoningGymTask:
                 answer = wrong_answer(answer, pool, rng)
             demos.append(answer_demo(env.first_messages(), answer))
         return demos
+
+
+def _fill(template: str, entry: Entry) -> str:
+    """``template`` with ``{answer}`` and the entry's metadata fields filled in."""
+    meta = entry.get("metadata")
+    fields = {**(meta if isinstance(meta, Mapping) else {}), "answer": entry["answer"]}
+    try:
+        return template.format_map(fields)
+    except (KeyError, IndexError, ValueError) as err:
+        known = ", ".join(sorted(fields))
+        raise ValueError(
+            f"ReasoningGymTask option shot_reply: {template!r} cannot be filled ({err!r}); "
+            f"the fields are {known}"
+        ) from err
 
 
 def _check(ok: bool, option: str, fix: str) -> None:

@@ -108,18 +108,30 @@ def test_shots_come_first_as_answered_chat_turns_from_the_train_split() -> None:
     env = task.make_env("eval", 0)
     msgs = env.first_messages()
     assert [m.role for m in msgs] == ["user", "assistant", "user", "assistant", "user"]
-    first, second = task.entry("train", 0), task.shots[1]
+    first, second = task.entry("train", 0), task.shots[1][0]
     assert msgs[0].content == f"{first['question']}\nFinish with 'answer X'."
     assert msgs[1].content == f"answer {first['answer']}"
     assert msgs[3].content == f"answer {second['answer']}"
     assert msgs[-1].content == f"{env.entry['question']}\nFinish with 'answer X'."
     eval_questions = {task.entry("eval", i)["question"] for i in range(5)}
     assert first["question"] != second["question"]
-    assert not {s["question"] for s in task.shots} & eval_questions
+    assert not {s["question"] for s, _ in task.shots} & eval_questions
     assert env.first_observation() == tuple(msgs)  # several messages: the whole chat
     assert task.make_env("train", 7).first_messages()[:4] == msgs[:4]  # the same shots
     with pytest.raises(ValueError, match="option shots: use 0 to 16"):
         ReasoningGymTask("basic_arithmetic", eval_size=3, train_size=10, shots=17)
+    worked = ReasoningGymTask(
+        "basic_arithmetic", seed=1, eval_size=5, train_size=50, shots=1,
+        shot_reply="{expression} = {answer}\nanswer {answer}",
+    )  # fmt: skip
+    expression = first["metadata"]["expression"]
+    assert worked.make_env("eval", 0).first_messages()[1].content == (
+        f"{expression} = {first['answer']}\nanswer {first['answer']}"
+    )
+    with pytest.raises(ValueError, match=r"shot_reply: '\{steps\}' cannot be filled.*expression"):
+        ReasoningGymTask(
+            "basic_arithmetic", eval_size=3, train_size=10, shots=1, shot_reply="{steps}"
+        )
 
 
 def test_the_math_scorer_gives_no_partial_credit_and_wants_a_value() -> None:
