@@ -5,7 +5,7 @@ tests/integration/test_vllm.py) and ``SAO_REAL_MODEL`` (the directory ``sao
 models fetch smollm2-135m`` prints, as for test_real_checkpoint.py) are set;
 ``make test-vllm`` sets both. One server, launched the way ``rollout.launch =
 1`` launches it; most of the time is vLLM's decoding, on one core (it keeps
-the other for itself): 15 minutes measured with other jobs on the two cores.
+the other for itself): 260-874 s measured with other jobs on the two cores.
 
 Checks, all float32 on both sides:
 
