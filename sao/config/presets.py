@@ -96,12 +96,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         "train": {"actor_lr": 1e-4},
     },
     "smollm2-arith": {
-        # A real pretrained checkpoint (`sao models fetch smollm2-135m` first): one-digit
-        # sums and differences from reasoning-gym. Three fixed train questions answered
-        # `answer X` come first as chat turns, so the model follows the format from the
-        # start (greedy: 32 of 32 replies have the marker) and what RL can raise is the
-        # arithmetic itself (greedy 11 of 32 right before RL; most misses are signs, `4 - 8`
-        # -> 2). The math scorer gives no partial credit and wants a value.
+        # A real pretrained checkpoint (`sao models fetch smollm2-135m` first) on one-digit
+        # sums and differences from reasoning-gym, scored by math-verify (no partial
+        # credit, a value wanted). Three fixed train questions answered `answer X` come
+        # first as chat turns: every held-out reply has the marker from the start, so
+        # what RL can raise is the arithmetic (greedy 0.28 held out; no negative result
+        # is ever right: P('-') ~ 1e-7 where one is due). NOT YET A RUN THAT LEARNS:
+        # SAO at batch 8 and actor LR 2e-5 or 3e-5 lowered held-out success (0.28 ->
+        # 0.26 / 0.19 in 7 / 15 actor steps); a worked `a - b = c` form at LR 5e-5 fell
+        # from 0.55 to 0.07 in 7 steps, rewriting `9 - 9` as `9 + 9 = 18`
+        # (BENCHMARKS.md). These values are the gentlest tried; a starting point.
         "model": {"path": "smollm2-135m"},
         "task": {
             "name": "reasoning_gym",
