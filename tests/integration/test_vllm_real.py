@@ -39,7 +39,8 @@ from sao.app.engines import make_publish
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.logprobs import sequence_logprobs
 from sao.rollout.embedded.engine import TorchEngine
-from sao.rollout.remote.http_engine import ModelIdentity, VLLMEngine
+from sao.rollout.remote.http_engine import ModelIdentity
+from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.rollout.weights import read_weights
 from sao.types import Completion, SamplingParams
 from tests.integration.test_vllm import start_server

@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 
 from sao.rollout.remote import http_engine
-from sao.rollout.remote.http_engine import VLLMEngine
+from sao.rollout.remote.vllm_engine import VLLMEngine
 
 
 @pytest.fixture
