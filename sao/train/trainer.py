@@ -39,7 +39,7 @@ from sao.train.estimators import (
     needs_old_logp,
     policy_loss,
 )
-from sao.train.precision import MasterWeights, adamw_nonfinite, adamw_step_bound
+from sao.train.precision import MasterWeights, adamw, adamw_nonfinite, adamw_step_bound
 from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
 from sao.types import Batch, Trajectory, collate
 
@@ -106,7 +106,7 @@ class Trainer:
                 PolicyLogprobs(policy, settings.temperature, settings.packing)
             )
             self.actor_weights = MasterWeights(policy.parameters())
-            self.actor_optim = torch.optim.AdamW(self.actor_weights.params, lr=settings.actor_lr)
+            self.actor_optim = adamw(self.actor_weights.params, settings.actor_lr)
         if critic is not None:
             self.ranks.shard(critic)
         model = policy if policy is not None else critic
@@ -117,7 +117,7 @@ class Trainer:
         self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
         if critic is not None:
             self.critic_weights = MasterWeights(p for p in critic.parameters() if p.requires_grad)
-            self.critic_optim = torch.optim.AdamW(self.critic_weights.params, lr=settings.critic_lr)
+            self.critic_optim = adamw(self.critic_weights.params, settings.critic_lr)
             warm = max(settings.critic_lr_warmup_steps, 1)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(
                 self.critic_optim, lambda s: min(1.0, (s + 1) / warm)
