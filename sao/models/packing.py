@@ -90,29 +90,42 @@ def varlen_attention(
     **kwargs: object,
 ) -> tuple[torch.Tensor, None]:
     """Attention over a packed ``[1, N]`` sequence, row by row: causal SDPA on
-    each row's ``[start, end)`` slice (rows start where ``position_ids`` is 0),
-    so the work is ``sum(len^2) / 2`` score pairs, not the dense ``N^2``.
-    Returns ``[1, N, H, D]`` as transformers' attention functions do."""
+    each row's slice (rows start where ``position_ids`` is 0), rows of equal
+    length stacked into one call, so the work is ``sum(len^2) / 2`` score
+    pairs, not the dense ``N^2``. Returns ``[1, N, H, D]`` as transformers'
+    attention functions do."""
     position_ids = kwargs.get("position_ids")
     if attention_mask is not None or not isinstance(position_ids, torch.Tensor):
         raise ValueError(f"{VARLEN} attention runs packed rows only (no mask, position ids)")
     N = query_1HND.shape[2]
     starts = (position_ids.reshape(-1)[:N] == 0).nonzero().reshape(-1).tolist()
     bounds = [*starts, N] if starts and starts[0] == 0 else [0, *starts, N]
-    outs = [
-        sdpa_attention_forward(
-            module,
-            query_1HND[:, :, s:e],
-            key_1HND[:, :, s:e],
-            value_1HND[:, :, s:e],
-            None,
-            dropout=dropout,
-            scaling=scaling,
-            is_causal=True,
-        )[0]
-        for s, e in itertools.pairwise(bounds)
-    ]
-    return torch.cat(outs, dim=1), None
+    by_len: dict[int, list[int]] = {}
+    for s, e in itertools.pairwise(bounds):
+        by_len.setdefault(e - s, []).append(s)
+    # one gather puts rows of equal length side by side ([H, rows * n, D] per length),
+    # one more puts the outputs back (slicing each row would cost a full-size
+    # gradient buffer per row in the backward)
+    dev = query_1HND.device
+    order = [s + t for n, group in by_len.items() for s in group for t in range(n)]
+    order_N = torch.tensor(order, dtype=torch.long, device=dev)
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(N, device=dev)
+    q, k, v = (x[0].index_select(1, order_N) for x in (query_1HND, key_1HND, value_1HND))
+    outs, at = [], 0
+    for n, group in by_len.items():
+        span = slice(at, at + n * len(group))
+        at = span.stop
+
+        def rows(x_HND: torch.Tensor, span: slice = span, n: int = n) -> torch.Tensor:
+            H, _, D = x_HND.shape
+            return x_HND[:, span].reshape(H, -1, n, D).transpose(0, 1)  # [rows, H, n, D]
+
+        args = (module, rows(q), rows(k), rows(v), None)
+        out = sdpa_attention_forward(*args, dropout=dropout, scaling=scaling, is_causal=True)
+        out_RNHD = out[0]
+        outs.append(out_RNHD.reshape(-1, *out_RNHD.shape[2:]))  # [rows * n, H, D]
+    return torch.cat(outs).index_select(0, inverse_N).unsqueeze(0), None
 
 
 AttentionInterface.register(VARLEN, varlen_attention)
