@@ -10,6 +10,14 @@ or, with flash-attention, its variable-length kernel (``cu_seqlens``). So one
 code path is exact on the CPU (SDPA/eager) and padding-free on a GPU. A row of
 one token starts at 0 after any row, so it is always its own block.
 
+Attention on the CPU: SDPA and eager get the rows' boundaries as a dense
+``[N, N]`` block-diagonal mask, so attention costs ``N^2`` instead of
+``sum(len^2)``. While a packed forward runs, an ``sdpa`` or ``eager`` model
+uses :func:`varlen_attention` instead (registered with transformers as
+``"sao_varlen"``): causal SDPA on each row's slice of the packed sequence,
+rows found where the position ids restart, no mask built. Flash-attention
+models keep their own variable-length kernel.
+
 Guard: the first time a model object runs packed, :func:`verify_packing`
 compares a packed and a padded forward of two short rows; an architecture that
 ignores position ids for masking (so rows would attend across each other)
@@ -18,13 +26,29 @@ raises instead of silently mixing rows.
 
 from __future__ import annotations
 
+import itertools
 import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-__all__ = ["PackedRows", "pack_rows", "run_backbone_packed", "verify_packing"]
+__all__ = [
+    "VARLEN",
+    "PackedRows",
+    "pack_rows",
+    "run_backbone_packed",
+    "varlen_attention",
+    "verify_packing",
+]
+
+VARLEN = "sao_varlen"
+"""The attention implementation a packed forward of an SDPA/eager model runs."""
+_DENSE = ("sdpa", "eager")
 
 _PACKING_VERIFIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -55,18 +79,86 @@ def pack_rows(tokens_BT: torch.Tensor, mask_BT: torch.Tensor) -> PackedRows:
     )
 
 
+def varlen_attention(
+    module: nn.Module,
+    query_1HND: torch.Tensor,
+    key_1HND: torch.Tensor,
+    value_1HND: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """Attention over a packed ``[1, N]`` sequence, row by row: causal SDPA on
+    each row's slice (rows start where ``position_ids`` is 0), rows of equal
+    length stacked into one call, so the work is ``sum(len^2) / 2`` score
+    pairs, not the dense ``N^2``. Returns ``[1, N, H, D]`` as transformers'
+    attention functions do."""
+    position_ids = kwargs.get("position_ids")
+    if attention_mask is not None or not isinstance(position_ids, torch.Tensor):
+        raise ValueError(f"{VARLEN} attention runs packed rows only (no mask, position ids)")
+    N = query_1HND.shape[2]
+    starts = (position_ids.reshape(-1)[:N] == 0).nonzero().reshape(-1).tolist()
+    bounds = [*starts, N] if starts and starts[0] == 0 else [0, *starts, N]
+    by_len: dict[int, list[int]] = {}
+    for s, e in itertools.pairwise(bounds):
+        by_len.setdefault(e - s, []).append(s)
+    # one gather puts rows of equal length side by side ([H, rows * n, D] per length),
+    # one more puts the outputs back (slicing each row would cost a full-size
+    # gradient buffer per row in the backward)
+    dev = query_1HND.device
+    order = [s + t for n, group in by_len.items() for s in group for t in range(n)]
+    order_N = torch.tensor(order, dtype=torch.long, device=dev)
+    inverse_N = torch.empty_like(order_N)
+    inverse_N[order_N] = torch.arange(N, device=dev)
+    q, k, v = (x[0].index_select(1, order_N) for x in (query_1HND, key_1HND, value_1HND))
+    outs, at = [], 0
+    for n, group in by_len.items():
+        span = slice(at, at + n * len(group))
+        at = span.stop
+
+        def rows(x_HND: torch.Tensor, span: slice = span, n: int = n) -> torch.Tensor:
+            H, _, D = x_HND.shape
+            return x_HND[:, span].reshape(H, -1, n, D).transpose(0, 1)  # [rows, H, n, D]
+
+        args = (module, rows(q), rows(k), rows(v), None)
+        out = sdpa_attention_forward(*args, dropout=dropout, scaling=scaling, is_causal=True)
+        out_RNHD = out[0]
+        outs.append(out_RNHD.reshape(-1, *out_RNHD.shape[2:]))  # [rows * n, H, D]
+    return torch.cat(outs).index_select(0, inverse_N).unsqueeze(0), None
+
+
+AttentionInterface.register(VARLEN, varlen_attention)
+
+
+@contextmanager
+def _varlen(backbone: nn.Module) -> Iterator[None]:
+    """While it is open, an SDPA/eager ``backbone`` attends with :data:`VARLEN`."""
+    config = getattr(backbone, "config", None)
+    impl = getattr(config, "_attn_implementation", None)
+    if config is None or impl not in _DENSE:
+        yield
+        return
+    config._attn_implementation = VARLEN
+    try:
+        yield
+    finally:
+        config._attn_implementation = impl
+
+
 def _packed_hidden(
     backbone: nn.Module, tokens_BT: torch.Tensor, mask_BT: torch.Tensor
 ) -> torch.Tensor:
     """Hidden states ``[B, T, H]`` from one packed forward; 0 at padding."""
     B, T = tokens_BT.shape
     packed = pack_rows(tokens_BT, mask_BT)
-    out = backbone(
-        input_ids=packed.tokens_1N,
-        attention_mask=None,  # rows are told apart by their restarting position ids
-        position_ids=packed.position_ids_1N,
-        use_cache=False,
-    )
+    with _varlen(backbone):
+        out = backbone(
+            input_ids=packed.tokens_1N,
+            attention_mask=None,  # rows are told apart by their restarting position ids
+            position_ids=packed.position_ids_1N,
+            use_cache=False,
+        )
     hidden_NH = out.last_hidden_state[0]
     zeros = hidden_NH.new_zeros(B * T, hidden_NH.shape[-1])
     return zeros.index_put((packed.flat_index_N,), hidden_NH).view(B, T, -1)

@@ -100,57 +100,69 @@ def compute_targets(
     return Targets(_whiten(algo, broadcast_to_tokens(adv_B, mask), mask), None, None)
 
 
+CRITIC_ADVANTAGES = ("gae", "step_average", "step_last_token")
+"""Estimators whose advantages and critic targets come from the critic's values."""
+
+
 def _critic_targets(algo: AlgoPreset, batch: Batch, values_BT: torch.Tensor) -> Targets:
     """Token GAE or step-level GAE: decoupled lambdas (actor adaptive, critic 1)."""
     mask = batch.action_mask_BT
+    adv = _critic_gae(algo, batch, values_BT, actor_lambda(algo, batch))[0]
+    ret, critic_mask = critic_returns(algo, batch, values_BT)
+    return Targets(_whiten(algo, adv, mask), ret, critic_mask)
+
+
+def critic_returns(
+    algo: AlgoPreset, batch: Batch, values_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The critic's targets ``[B, T]`` (lambda = ``lam_critic``, ALGORITHMS.md 3) and
+    where it is trained ``[B, T]``. Row-local: a micro-batch's rows get the
+    same numbers as in the whole batch (what ``Trainer`` relies on to take
+    the first critic update's returns from that update's own forward)."""
+    _, ret, critic_mask = _critic_gae(algo, batch, values_BT, algo.lam_critic)
+    return ret, critic_mask
+
+
+def critic_mask(algo: AlgoPreset, batch: Batch) -> torch.Tensor:
+    """Where :func:`critic_returns` trains the critic ``[B, T]``, before any value
+    exists: the action tokens, or each turn's last one for ``step_last_token``."""
+    if algo.advantage == "step_last_token":  # the mask does not depend on the values
+        return critic_returns(algo, batch, torch.zeros_like(batch.rewards_BT))[1]
+    return batch.action_mask_BT
+
+
+def _critic_gae(
+    algo: AlgoPreset, batch: Batch, values_BT: torch.Tensor, lam: float | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(advantages, returns, critic mask) of token or step-level GAE at ``lam``."""
+    mask = batch.action_mask_BT
     trunc_B, how = batch.truncated_B, _gae_truncation(algo)
     if algo.advantage == "gae":
-        adv, _ = gae(
+        adv, ret = gae(
             batch.rewards_BT,
             values_BT,
             mask,
             gamma=algo.gamma,
-            lam=actor_lambda(algo, batch),
+            lam=lam,
             truncated_B=trunc_B,
             truncation=how,
         )
-        _, ret = gae(
-            batch.rewards_BT,
-            values_BT,
-            mask,
-            gamma=algo.gamma,
-            lam=algo.lam_critic,
-            truncated_B=trunc_B,
-            truncation=how,
-        )
-        return Targets(_whiten(algo, adv, mask), ret, mask)
+        return adv, ret, mask
     if algo.advantage in ("step_average", "step_last_token"):
         turn_value: Literal["average", "last_token"] = (
             "average" if algo.advantage == "step_average" else "last_token"
         )
-        adv, _, _ = step_level_gae(
+        return step_level_gae(
             batch.rewards_BT,
             values_BT,
             mask,
             batch.turn_id_BT,
             gamma=algo.gamma,
-            lam=actor_lambda(algo, batch),
+            lam=lam,
             turn_value=turn_value,
             truncated_B=trunc_B,
             truncation=how,
         )
-        _, ret, critic_mask = step_level_gae(
-            batch.rewards_BT,
-            values_BT,
-            mask,
-            batch.turn_id_BT,
-            gamma=algo.gamma,
-            lam=algo.lam_critic,
-            turn_value=turn_value,
-            truncated_B=trunc_B,
-            truncation=how,
-        )
-        return Targets(_whiten(algo, adv, mask), ret, critic_mask)
     raise ValueError(f"advantage {algo.advantage!r} does not use a critic")
 
 

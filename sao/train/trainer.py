@@ -1,5 +1,6 @@
-"""One trainer step: critic forward, advantages, K critic updates with frozen
-attention, the actor update. ``Trainer.step`` reads as the algorithm.
+"""One trainer step: K critic updates with frozen attention (the first one's
+forward also gives the values for the advantages), advantages, the actor
+update. ``Trainer.step`` reads as the algorithm.
 
 Device: every tensor the step builds lives on the policy's device (the batch is
 collated on the CPU, then moved once); the returned metrics are CPU tensors.
@@ -17,7 +18,7 @@ the step is the same code on one rank or many (sao/train/sharded.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,17 @@ from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
 from sao.algo.losses import value_loss
 from sao.algo.presets import AlgoPreset
 from sao.models.value import ValueModel
-from sao.train.estimators import Stats, Targets, compute_targets, needs_old_logp, policy_loss
-from sao.train.precision import MasterWeights, adamw_nonfinite, adamw_step_bound
+from sao.train.estimators import (
+    CRITIC_ADVANTAGES,
+    Stats,
+    Targets,
+    compute_targets,
+    critic_mask,
+    critic_returns,
+    needs_old_logp,
+    policy_loss,
+)
+from sao.train.precision import MasterWeights, adamw, adamw_nonfinite, adamw_step_bound
 from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
 from sao.types import Batch, Trajectory, collate
 
@@ -66,6 +76,8 @@ _WHAT = {
 }
 """Loss inputs by name, as a stop message names them."""
 _UPDATE = "update (AdamW would make weights NaN/inf)"
+_CriticTargets = tuple[torch.Tensor | None, torch.Tensor | None]
+"""A micro-batch's critic returns and its values before the update (or None)."""
 _SAFE = torch.finfo(torch.float32).max / 4
 """Below this bound of every weight after an update (``adamw_step_bound``), no
 weight can overflow; above it the update is predicted exactly."""
@@ -95,7 +107,7 @@ class Trainer:
                 PolicyLogprobs(policy, settings.temperature, settings.packing)
             )
             self.actor_weights = MasterWeights(policy.parameters())
-            self.actor_optim = torch.optim.AdamW(self.actor_weights.params, lr=settings.actor_lr)
+            self.actor_optim = adamw(self.actor_weights.params, settings.actor_lr)
         if critic is not None:
             self.ranks.shard(critic)
         model = policy if policy is not None else critic
@@ -106,7 +118,7 @@ class Trainer:
         self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
         if critic is not None:
             self.critic_weights = MasterWeights(p for p in critic.parameters() if p.requires_grad)
-            self.critic_optim = torch.optim.AdamW(self.critic_weights.params, lr=settings.critic_lr)
+            self.critic_optim = adamw(self.critic_weights.params, settings.critic_lr)
             warm = max(settings.critic_lr_warmup_steps, 1)
             self.critic_sched = torch.optim.lr_scheduler.LambdaLR(
                 self.critic_optim, lambda s: min(1.0, (s + 1) / warm)
@@ -127,13 +139,17 @@ class Trainer:
         """One actor step (or a critic-only warm-up step) on finished trajectories."""
         self.begin_step()
         batch = self.prepare(trajectories)
-        values_BT = self.values(batch)
-        targets = self.targets(batch, values_BT, self.running_mean)
         stats: Stats = {}
-        if targets is not None and self.critic is not None and targets.returns_BT is not None:
-            stats |= self.update_critic(batch, targets, values_BT)
-            if self.algo.advantages_after_critic_update and train_actor:
-                targets = self.targets(batch, self.values(batch), None)
+        if self.critic is not None and self.algo.advantage in CRITIC_ADVANTAGES:
+            # the values for GAE are the first critic update's forward (one forward saved)
+            values_BT, stats = self.first_critic_update(batch)
+            targets = self.targets(batch, values_BT, self.running_mean)
+            if targets is not None:
+                stats |= self.update_critic(batch, targets, values_BT, first_done=True)
+                if self.algo.advantages_after_critic_update and train_actor:
+                    targets = self.targets(batch, self.values(batch), None)
+        else:
+            targets = self.targets(batch, self.values(batch), self.running_mean)
         if train_actor and targets is not None:
             stats |= self.update_actor(batch, targets.advantages_BT)
         self.end_step()
@@ -184,54 +200,98 @@ class Trainer:
             out[rows, : v.shape[1]] = v
         return self.ranks.sum_rows(out)  # each row was filled by one rank
 
+    def first_critic_update(self, batch: Batch) -> tuple[torch.Tensor, Stats]:
+        """The first of the K critic updates, whose forward also gives the values
+        ``[B, T]`` for GAE: the critic before any update, the same numbers as
+        :meth:`values` with one forward fewer. Each micro-batch's returns come
+        from its own values (:func:`critic_returns` is row-local, so they equal
+        the whole batch's). A NaN/inf value on an action token skips the update
+        (:meth:`targets` then finds it and nothing trains this step)."""
+        values_BT = torch.zeros_like(batch.rollout_logp_BT, dtype=torch.float32)
+
+        def targets(mb: Batch, rows: torch.Tensor, v_BT: torch.Tensor) -> _CriticTargets:
+            v_BT = v_BT.detach()
+            values_BT[rows, : v_BT.shape[1]] = v_BT
+            if _nonfinite(mb.action_mask_BT, values_BT=v_BT) is not None:
+                return None, None  # (GAE rejects NaN/inf values)
+            return critic_returns(self.algo, mb, v_BT)[0], v_BT  # v: value clipping's anchor
+
+        stats = self._critic_step(batch, critic_mask(self.algo, batch), targets)
+        return self.ranks.sum_rows(values_BT), stats  # each row was filled by one rank
+
     def update_critic(
-        self, batch: Batch, targets: Targets, old_values_BT: torch.Tensor | None = None
+        self,
+        batch: Batch,
+        targets: Targets,
+        old_values_BT: torch.Tensor | None = None,
+        *,
+        first_done: bool = False,
     ) -> Stats:
-        """K critic optimizer steps on fixed lam=1 targets (paper section 4);
-        ``old_values_BT`` (values before the update) anchor optional value clipping."""
+        """K critic optimizer steps on fixed lam=1 targets (paper section 4), or
+        the K - 1 after :meth:`first_critic_update` (``first_done``).
+        ``old_values_BT``, the values before the update (those that made the
+        advantages), anchor optional value clipping and give the critic's
+        statistics (loss, explained variance: how well it predicted this batch
+        before fitting it, as PPO reports them), so no forward runs for metrics."""
+        assert targets.returns_BT is not None and targets.critic_mask_BT is not None
+        mask, returns_BT = targets.critic_mask_BT, targets.returns_BT
+
+        def fixed(mb: Batch, rows: torch.Tensor, v_BT: torch.Tensor) -> _CriticTargets:
+            T = v_BT.shape[1]
+            old = None if old_values_BT is None else old_values_BT[rows, :T]
+            return returns_BT[rows, :T], old
+
+        stats: Stats = {}
+        for _ in range(self.algo.critic_steps - int(first_done)):
+            stats = self._critic_step(batch, mask, fixed)
+        scored = old_values_BT is not None and bool(mask.any())
+        if scored and not _nonfinite(mask, values_BT=old_values_BT, returns_BT=returns_BT):
+            stats |= value_loss(old_values_BT, returns_BT, mask)[1]  # type: ignore[arg-type]
+        return stats
+
+    def _critic_step(
+        self,
+        batch: Batch,
+        mask_BT: torch.Tensor,
+        targets: Callable[[Batch, torch.Tensor, torch.Tensor], _CriticTargets],
+    ) -> Stats:
+        """One critic optimizer step over micro-batches; ``targets(mb, rows,
+        values)`` gives a micro-batch's returns (None: its values are NaN/inf)
+        and the values before the update (None: no value clipping)."""
         assert self.critic is not None and self.critic_weights is not None
         assert self.critic_optim is not None
-        assert targets.returns_BT is not None and targets.critic_mask_BT is not None
-        mask = targets.critic_mask_BT
-        denom = aggregate_denom(mask) if bool(mask.any()) else 1.0
-        clip = self.algo.value_clip if old_values_BT is not None else None
-        stats: Stats = {}
-        for _ in range(self.algo.critic_steps):
-            self.critic_optim.zero_grad(set_to_none=True)
-            guard = _Guard(self.device)
-            for mb, rows in self._with_rows(batch):
-                T = mb.tokens_BT.shape[1]
-                m = mask[rows, :T]
-                v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.opt.packing)
-                old = None if clip is None else old_values_BT[rows, :T]  # type: ignore[index]
-                ret = targets.returns_BT[rows, :T]
-                if not guard.usable(m, values_BT=v, returns_BT=ret, old_values_BT=old):
-                    _zero_loss(v).backward()  # still a backward: ranks run the same passes
-                    continue
-                loss, _ = value_loss(v, ret, m, denom=denom, old_values_BT=old, clip_eps=clip)
-                guard.loss(loss)
-                loss.backward()
-            norm, applied = self._apply("critic", self.critic_weights, self.critic_optim, guard)
-            if applied and self.critic_sched is not None:  # warm-up counts applied steps
-                self.critic_sched.step()
-            stats = {"critic/grad_norm": norm}
-        values_BT = self.values(batch)
-        assert values_BT is not None
-        if bool(mask.any()):  # the critic after its K steps, on this batch
-            if _nonfinite(mask, values_BT=values_BT, returns_BT=targets.returns_BT):
-                self._bad.setdefault("critic", "values after its update")
-            else:
-                stats |= value_loss(values_BT, targets.returns_BT, mask)[1]
-        return stats
+        denom = aggregate_denom(mask_BT) if bool(mask_BT.any()) else 1.0
+        self.critic_optim.zero_grad(set_to_none=True)
+        guard = _Guard(self.device)
+        for mb, rows in self._with_rows(batch):
+            v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.opt.packing)
+            m = mask_BT[rows, : v.shape[1]]
+            ret, old = targets(mb, rows, v)
+            if ret is None:
+                guard.bad_inputs += 1
+                guard.what = guard.what or _WHAT["values_BT"]
+            if ret is None or not guard.usable(m, values_BT=v, returns_BT=ret, old_values_BT=old):
+                _zero_loss(v).backward()  # still a backward: ranks run the same passes
+                continue
+            clip = None if old is None else self.algo.value_clip
+            loss, _ = value_loss(v, ret, m, denom=denom, old_values_BT=old, clip_eps=clip)
+            guard.loss(loss)
+            loss.backward()
+        norm, applied = self._apply("critic", self.critic_weights, self.critic_optim, guard)
+        if applied and self.critic_sched is not None:  # warm-up counts applied steps
+            self.critic_sched.step()
+        return {"critic/grad_norm": norm}
 
     def update_actor(self, batch: Batch, advantages_BT: torch.Tensor) -> Stats:
         """One actor optimizer step over micro-batches (gradients accumulate
-        exactly); the loss statistics come from the whole batch's log-probs."""
+        exactly); the loss statistics come from the whole batch's log-probs.
+        PPO-family losses compare against the pre-update policy: with one update
+        per batch that is this forward's own log-probs (detached), no forward of its own."""
         actor, weights, optim = self.actor_parts()
         mask = batch.action_mask_BT
         reduction = "seq_mean_token_mean" if self.algo.loss == "gspo" else self.algo.reduction
         denom = aggregate_denom(mask, reduction)
-        old = self._old_logp(batch) if needs_old_logp(self.algo) else None
+        with_old = needs_old_logp(self.algo)
         optim.zero_grad(set_to_none=True)
         logp_BT = torch.zeros_like(batch.rollout_logp_BT, dtype=torch.float32)
         guard = _Guard(self.device)
@@ -239,7 +299,7 @@ class Trainer:
             T = mb.tokens_BT.shape[1]
             logp = actor(mb.tokens_BT, mb.attention_mask_BT)
             logp_BT[rows, :T] = logp.detach()
-            old_mb = None if old is None else old[rows, :T]
+            old_mb = logp.detach() if with_old else None
             args = (mb.rollout_logp_BT, old_mb, advantages_BT[rows, :T], mb.action_mask_BT)
             inputs = dict(logp_BT=logp, rollout_logp_BT=args[0], old_logp_BT=old_mb)
             if not guard.usable(mb.action_mask_BT, advantages_BT=args[2], **inputs):
@@ -250,6 +310,7 @@ class Trainer:
             loss.backward()
         norm, _ = self._apply("actor", weights, optim, guard)
         logp_BT = self.ranks.sum_rows(logp_BT)
+        old = logp_BT if with_old else None
         stats: Stats = {"actor/grad_norm": norm}
         whole = (batch.rollout_logp_BT, old, advantages_BT, mask)
         inputs = dict(rollout_logp_BT=batch.rollout_logp_BT, old_logp_BT=old)
@@ -266,15 +327,6 @@ class Trainer:
         if self.actor is None or self.actor_weights is None or self.actor_optim is None:
             raise RuntimeError("this trainer holds no policy (its critic trains on its own ranks)")
         return self.actor, self.actor_weights, self.actor_optim
-
-    @torch.no_grad()
-    def _old_logp(self, batch: Batch) -> torch.Tensor:
-        actor = self.actor_parts()[0]
-        out = batch.rollout_logp_BT.new_zeros(batch.tokens_BT.shape, dtype=torch.float32)
-        for mb, rows in self._with_rows(batch):
-            lp = actor(mb.tokens_BT, mb.attention_mask_BT)
-            out[rows, : lp.shape[1]] = lp
-        return self.ranks.sum_rows(out)
 
     def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
         return self.ranks.micro_batches(batch, self.opt.token_budget, packed=self.opt.packing)
