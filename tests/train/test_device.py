@@ -38,6 +38,7 @@ from sao.models.freeze import freeze_attention
 from sao.models.logprobs import sequence_logprobs
 from sao.models.tiny import build_tiny_policy
 from sao.models.value import ValueModel
+from sao.train.estimators import Stats
 from sao.train.trainer import OptimSettings, Trainer
 from sao.types import Batch, Trajectory
 from tests.train.test_presets_step import TOK, A, B, two_turn
@@ -177,32 +178,28 @@ def test_step_keeps_every_tensor_on_the_model_device(name: str) -> None:
 Patch = Callable[[pytest.MonkeyPatch], None]
 
 
+def _values_buffer(mp: pytest.MonkeyPatch, buffer: Callable[[torch.Size], torch.Tensor]) -> None:
+    """The values for GAE (from the first critic update's forward) are handed on
+    through a buffer that ``buffer`` builds."""
+    first = Trainer.first_critic_update
+
+    def first_critic_update(self: Trainer, batch: Batch) -> tuple[torch.Tensor, Stats]:
+        values_BT, stats = first(self, batch)
+        out = buffer(values_BT.shape)
+        out[:] = values_BT
+        return out, stats
+
+    mp.setattr(Trainer, "first_critic_update", first_critic_update)
+
+
 def values_on_meta(mp: pytest.MonkeyPatch) -> None:
-    """values() builds its output buffer on another device (meta stands in for it)."""
-
-    def values(self: Trainer, batch: Batch) -> torch.Tensor | None:
-        with torch.no_grad():
-            out = torch.zeros(batch.tokens_BT.shape, device="meta")
-            for mb, rows in self._with_rows(batch):
-                assert self.critic is not None
-                out[rows, : mb.tokens_BT.shape[1]] = self.critic(mb.tokens_BT, mb.attention_mask_BT)
-        return out
-
-    mp.setattr(Trainer, "values", values)
+    """The values' buffer is built on another device (meta stands in for it)."""
+    _values_buffer(mp, lambda shape: torch.zeros(shape, device="meta"))
 
 
 def values_implicit_cpu(mp: pytest.MonkeyPatch) -> None:
-    """values() builds its output buffer without device= (CPU whatever the model's)."""
-
-    def values(self: Trainer, batch: Batch) -> torch.Tensor | None:
-        with torch.no_grad():
-            out = torch.zeros(batch.tokens_BT.shape, dtype=torch.float32)
-            for mb, rows in self._with_rows(batch):
-                assert self.critic is not None
-                out[rows, : mb.tokens_BT.shape[1]] = self.critic(mb.tokens_BT, mb.attention_mask_BT)
-        return out
-
-    mp.setattr(Trainer, "values", values)
+    """The values' buffer is built without device= (CPU whatever the model's)."""
+    _values_buffer(mp, lambda shape: torch.zeros(shape, dtype=torch.float32))
 
 
 @pytest.mark.parametrize(
