@@ -260,10 +260,10 @@ class Passes:
         patch(trainer_mod, "compute_targets", "GAE and advantages")
         patch(trainer_mod, "value_loss", "losses")
         patch(trainer_mod, "policy_loss", "losses")
-        patch(trainer_mod, "_nonfinite", checks)
+        patch(trainer_mod, "nonfinite", checks)
         patch(trainer_mod, "adamw_step_bound", checks)
-        patch(trainer_mod._Guard, "usable", checks)
-        patch(trainer_mod._Guard, "loss", checks)
+        patch(trainer_mod.Guard, "usable", checks)
+        patch(trainer_mod.Guard, "loss", checks)
         patch(trainer, "_apply", checks)  # its own body: the counts, the host sync
         patch(trainer_mod, "clip_grad_norm", optim)
         patch(sharded_mod, "select_rows", "micro-batch selection")

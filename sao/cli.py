@@ -388,7 +388,7 @@ def _stopped_errors() -> tuple[type[Exception], ...]:
     from sao.distributed.trainer import TrainerRankError
     from sao.rollout.remote.router import NoLiveEngineError
     from sao.runtime.orchestrator import RunStopped
-    from sao.train.trainer import NonFiniteError
+    from sao.train.guard import NonFiniteError
 
     return (NonFiniteError, NoLiveEngineError, TrainerRankError, RunStopped)
 

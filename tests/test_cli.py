@@ -155,7 +155,7 @@ def test_resume_errors(
 def test_a_diverged_run_stops_with_one_line(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from sao.train.trainer import NonFiniteError
+    from sao.train.guard import NonFiniteError
 
     def diverge(cfg: Config, *, resume: Path | None = None) -> Path:
         raise NonFiniteError("3 consecutive steps had a NaN/inf loss or gradient; stopping")

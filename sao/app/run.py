@@ -51,7 +51,7 @@ from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
 from sao.runtime.trainers import LocalTrainer, TrainerHandle
 from sao.runtime.transcripts import EVAL_SAMPLES, EvalSamples, last_evaluation
-from sao.train.trainer import NonFiniteError
+from sao.train.guard import NonFiniteError
 from sao.types import Trajectory
 
 

@@ -40,6 +40,7 @@ from sao.train.estimators import (
     needs_old_logp,
     policy_loss,
 )
+from sao.train.guard import WHAT, Guard, NonFiniteError, nonfinite
 from sao.train.precision import MasterWeights, adamw, adamw_nonfinite, adamw_step_bound
 from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
 from sao.types import Batch, Trajectory, collate
@@ -60,21 +61,6 @@ class OptimSettings:
     packing: bool = False  # padding-free micro-batches (sao.models.packing)
 
 
-class NonFiniteError(RuntimeError):
-    """``max_bad_steps`` consecutive steps had a NaN/inf value; every update they
-    would have made was skipped, so the models hold their last good weights."""
-
-
-_WHAT = {
-    "logp_BT": "log-probabilities",
-    "rollout_logp_BT": "rollout log-probabilities",
-    "old_logp_BT": "old-policy log-probabilities",
-    "advantages_BT": "advantages",
-    "values_BT": "values",
-    "returns_BT": "returns",
-    "old_values_BT": "old values",
-}
-"""Loss inputs by name, as a stop message names them."""
 _UPDATE = "update (AdamW would make weights NaN/inf)"
 _CriticTargets = tuple[torch.Tensor | None, torch.Tensor | None]
 """A micro-batch's critic returns and its values before the update (or None)."""
@@ -184,7 +170,7 @@ class Trainer:
         on an action token: nothing can be trained on this batch, so the step is bad
         (counted against the critic) and both updates are skipped. The values are the
         whole batch's, so every rank agrees."""
-        if values_BT is not None and _nonfinite(batch.action_mask_BT, values_BT=values_BT):
+        if values_BT is not None and nonfinite(batch.action_mask_BT, values_BT=values_BT):
             self._bad["critic"] = "values (nothing was trained this step)"
             return None
         return compute_targets(self.algo, batch, values_BT, running_mean)
@@ -212,7 +198,7 @@ class Trainer:
         def targets(mb: Batch, rows: torch.Tensor, v_BT: torch.Tensor) -> _CriticTargets:
             v_BT = v_BT.detach()
             values_BT[rows, : v_BT.shape[1]] = v_BT
-            if _nonfinite(mb.action_mask_BT, values_BT=v_BT) is not None:
+            if nonfinite(mb.action_mask_BT, values_BT=v_BT) is not None:
                 return None, None  # (GAE rejects NaN/inf values)
             return critic_returns(self.algo, mb, v_BT)[0], v_BT  # v: value clipping's anchor
 
@@ -245,7 +231,7 @@ class Trainer:
         for _ in range(self.algo.critic_steps - int(first_done)):
             stats = self._critic_step(batch, mask, fixed)
         scored = old_values_BT is not None and bool(mask.any())
-        if scored and not _nonfinite(mask, values_BT=old_values_BT, returns_BT=returns_BT):
+        if scored and not nonfinite(mask, values_BT=old_values_BT, returns_BT=returns_BT):
             stats |= value_loss(old_values_BT, returns_BT, mask)[1]  # type: ignore[arg-type]
         return stats
 
@@ -262,14 +248,14 @@ class Trainer:
         assert self.critic_optim is not None
         denom = aggregate_denom(mask_BT) if bool(mask_BT.any()) else 1.0
         self.critic_optim.zero_grad(set_to_none=True)
-        guard = _Guard(self.device)
+        guard = Guard(self.device)
         for mb, rows in self._with_rows(batch):
             v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.opt.packing)
             m = mask_BT[rows, : v.shape[1]]
             ret, old = targets(mb, rows, v)
             if ret is None:
                 guard.bad_inputs += 1
-                guard.what = guard.what or _WHAT["values_BT"]
+                guard.what = guard.what or WHAT["values_BT"]
             if ret is None or not guard.usable(m, values_BT=v, returns_BT=ret, old_values_BT=old):
                 _zero_loss(v).backward()  # still a backward: ranks run the same passes
                 continue
@@ -294,7 +280,7 @@ class Trainer:
         with_old = needs_old_logp(self.algo)
         optim.zero_grad(set_to_none=True)
         logp_BT = torch.zeros_like(batch.rollout_logp_BT, dtype=torch.float32)
-        guard = _Guard(self.device)
+        guard = Guard(self.device)
         for mb, rows in self._with_rows(batch):
             T = mb.tokens_BT.shape[1]
             logp = actor(mb.tokens_BT, mb.attention_mask_BT)
@@ -314,7 +300,7 @@ class Trainer:
         stats: Stats = {"actor/grad_norm": norm}
         whole = (batch.rollout_logp_BT, old, advantages_BT, mask)
         inputs = dict(rollout_logp_BT=batch.rollout_logp_BT, old_logp_BT=old)
-        if not _nonfinite(mask, logp_BT=logp_BT, advantages_BT=advantages_BT, **inputs):
+        if not nonfinite(mask, logp_BT=logp_BT, advantages_BT=advantages_BT, **inputs):
             with torch.no_grad():  # whole-batch statistics, the same on every rank
                 loss, loss_stats = policy_loss(self.algo, logp_BT, *whole, denom)
             stats |= loss_stats | {"actor/loss": loss}
@@ -332,7 +318,7 @@ class Trainer:
         return self.ranks.micro_batches(batch, self.opt.token_budget, packed=self.opt.packing)
 
     def _apply(
-        self, model: str, weights: MasterWeights, optim: torch.optim.Optimizer, guard: _Guard
+        self, model: str, weights: MasterWeights, optim: torch.optim.Optimizer, guard: Guard
     ) -> tuple[torch.Tensor, bool]:
         """Clip; step the float32 masters and write them back into the model only
         if, on every rank, the loss inputs and losses (``guard``), the gradient norm
@@ -452,43 +438,6 @@ class Trainer:
             self.running_mean.load_state_dict(state["running_mean"])  # type: ignore[arg-type]
         self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
         self.skipped |= state.get("skipped_per_model") or {}  # type: ignore[call-overload]
-
-
-class _Guard:
-    """What one optimizer update met on this rank: micro-batches whose loss
-    inputs were NaN/inf on an action token (their loss is not computed: the loss
-    functions reject such inputs), and losses that came out NaN/inf (a device
-    tensor, read once with the gradient norm in ``Trainer._apply``)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.bad_inputs = torch.zeros((), device=device)
-        self.bad_losses = torch.zeros((), device=device)
-        self.what: str | None = None  # the first NaN/inf input seen here
-
-    def usable(self, mask_BT: torch.Tensor, **inputs: torch.Tensor | None) -> bool:
-        """Whether a micro-batch's loss can be computed: it has an action token
-        and its inputs are finite there (else it runs a zero backward)."""
-        if not bool(mask_BT.any()):
-            return False
-        name = _nonfinite(mask_BT, **inputs)
-        if name is not None:
-            self.bad_inputs += 1
-            self.what = self.what or name
-        return name is None
-
-    def loss(self, loss: torch.Tensor) -> None:
-        self.bad_losses += torch.isfinite(loss.detach()).logical_not()
-
-
-def _nonfinite(mask_BT: torch.Tensor, **tensors: torch.Tensor | None) -> str | None:
-    """The stop-message name of the first tensor that is NaN/inf somewhere
-    ``mask_BT`` is True; None when all are finite there (None tensors are
-    skipped). One host sync."""
-    given = {n: t for n, t in tensors.items() if t is not None}
-    if not given:
-        return None
-    bad = torch.stack([(~torch.isfinite(t.detach()) & mask_BT).any() for t in given.values()])
-    return next((_WHAT.get(n, n) for n, b in zip(given, bad.tolist(), strict=True) if b), None)
 
 
 def _zero_loss(out: torch.Tensor) -> torch.Tensor:

@@ -16,7 +16,7 @@ from sao.app.run import train
 from sao.config import load_config
 from sao.rundir.model_card import model_card
 from sao.runtime.transcripts import Transcript
-from sao.train.trainer import NonFiniteError
+from sao.train.guard import NonFiniteError
 from tests.train.test_learning import SayATask
 from tests.train.test_nonfinite_run import overrides as diverging
 

@@ -17,7 +17,8 @@ from sao.app.run import train
 from sao.config import load_config
 from sao.models.loading import load_policy
 from sao.models.value import ValueModel
-from sao.train.trainer import NonFiniteError, OptimSettings, Trainer
+from sao.train.guard import NonFiniteError
+from sao.train.trainer import OptimSettings, Trainer
 from sao.types import Trajectory, Turn
 from tests.train.test_learning import SayATask
 

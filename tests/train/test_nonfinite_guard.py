@@ -21,8 +21,9 @@ import sao.train.trainer as trainer_mod
 from sao.algo.presets import get_preset
 from sao.models.loading import load_policy
 from sao.models.value import ValueModel
+from sao.train.guard import NonFiniteError
 from sao.train.precision import adamw_nonfinite, adamw_step_bound
-from sao.train.trainer import NonFiniteError, OptimSettings, Trainer
+from sao.train.trainer import OptimSettings, Trainer
 from sao.types import Trajectory
 from tests.train.test_nonfinite import traj
 

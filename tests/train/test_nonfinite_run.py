@@ -20,7 +20,7 @@ from sao.cli import main
 from sao.config import load_config
 from sao.models.loading import load_policy
 from sao.models.value import ValueModel
-from sao.train.trainer import NonFiniteError
+from sao.train.guard import NonFiniteError
 from tests.train.test_learning import SayATask
 
 

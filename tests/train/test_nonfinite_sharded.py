@@ -19,8 +19,9 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from sao.train.guard import NonFiniteError
 from sao.train.sharded import init_trainer_group
-from sao.train.trainer import NonFiniteError, Trainer
+from sao.train.trainer import Trainer
 from sao.types import Trajectory
 from tests.train.sharded_worker import make_batch, make_trainer
 
