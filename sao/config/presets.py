@@ -100,12 +100,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         # sums and differences from reasoning-gym, scored by math-verify (no partial
         # credit, a value wanted). Three fixed train questions answered `answer X` come
         # first as chat turns: every held-out reply has the marker from the start, so
-        # what RL can raise is the arithmetic (greedy 0.28 held out; no negative result
-        # is ever right: P('-') ~ 1e-7 where one is due). NOT YET A RUN THAT LEARNS:
-        # SAO at batch 8 and actor LR 2e-5 or 3e-5 lowered held-out success (0.28 ->
-        # 0.26 / 0.19 in 7 / 15 actor steps); a worked `a - b = c` form at LR 5e-5 fell
-        # from 0.55 to 0.07 in 7 steps, rewriting `9 - 9` as `9 + 9 = 18`
-        # (BENCHMARKS.md). These values are the gentlest tried; a starting point.
+        # what RL raises is the arithmetic (greedy 0.28 held out; a negative result is
+        # never right: P('-') ~ 1e-7 where one is due, out of reach of sampling).
+        # GRPO, groups of 4: 0.28 -> 0.50 in 30 steps (sums 24 -> 36 of 45, differences
+        # >= 0 4 -> 14 of 25; BENCHMARKS.md). SAO's single rollouts at batch 8 lowered it
+        # (0.28 -> 0.19 in 15 actor steps at LR 3e-5): its critic explained ~none of the
+        # return at this batch size. Actor LR 1e-5: a pretrained model; 5e-5 collapsed a
+        # worked-form variant in 7 steps, 1e-4 found an echo hack in 6 (issue #23).
         "model": {"path": "smollm2-135m"},
         "task": {
             "name": "reasoning_gym",
@@ -125,8 +126,9 @@ PRESETS: dict[str, dict[str, Any]] = {
                 "eval_size": 100,
             },
         },
-        "rollout": {"max_turns": 1, "max_new_tokens": 16, "temperature": 0.7},
-        "train": {"steps": 60, "batch_size": 16, "actor_lr": 1e-5, "critic_lr": 5e-5},
+        "algo": {"preset": "grpo", "group_size": 4},
+        "rollout": {"max_turns": 1, "max_new_tokens": 16, "temperature": 0.8},
+        "train": {"steps": 60, "batch_size": 16, "actor_lr": 1e-5},
         "eval": {"every": 10, "episodes": 100},
     },
 }
