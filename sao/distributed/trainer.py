@@ -232,6 +232,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+DEATH_GRACE_S = 30.0
+"""How long a failed call waits for the other ranks' outcomes, for a death
+that Ray reports after the survivors' errors."""
+
+
+async def _first_error(
+    futures: list[asyncio.Future[Any]], kind: type[BaseException]
+) -> BaseException | None:
+    """The first of ``futures``' errors of type ``kind``, once each has ended
+    or :data:`DEATH_GRACE_S` has passed (those still running are left alone)."""
+    await asyncio.wait(futures, timeout=DEATH_GRACE_S)
+    for f in futures:
+        if f.done() and not f.cancelled() and isinstance(f.exception(), kind):
+            return f.exception()
+    return None
+
+
 class RayTrainerGroup:
     """The driver's handle on the trainer ranks (duck-types ``Trainer.step``):
     ``ranks`` train the actor (and the colocated critic); ``critics``, when
@@ -293,14 +310,26 @@ class RayTrainerGroup:
         ranks = self.ranks if group is None else group
         return await self._wait([getattr(a, method).remote(*args) for a in ranks], method)
 
-    async def _wait(self, calls: list[Any], method: str) -> list[Any]:
+    async def _wait(self, calls: list[Any], method: str, *, also: Any = None) -> list[Any]:
+        """The calls' results. A dead rank is a :class:`TrainerRankError`, also
+        when a surviving rank's error comes first: its collective fails as soon
+        as the peer's socket closes, often before Ray reports the death.
+        ``also``: a call not waited for whose death counts too (looked at only
+        after a failure)."""
+        futures = [asyncio.ensure_future(c) for c in calls]
         try:
-            return list(await asyncio.gather(*calls))
-        except self.ray.exceptions.RayActorError as err:
+            return list(await asyncio.gather(*futures))
+        except Exception as err:
+            dead = self.ray.exceptions.RayActorError
+            if not isinstance(err, dead) and also is not None:
+                futures.append(asyncio.ensure_future(also))
+            died = err if isinstance(err, dead) else await _first_error(futures, dead)
+            if died is None:
+                raise
             raise TrainerRankError(
-                f"a trainer rank died during {method} ({type(err).__name__}); the run stops. "
+                f"a trainer rank died during {method} ({type(died).__name__}); the run stops. "
                 "Continue from the last checkpoint with `sao train --resume RUN_DIR`"
-            ) from err
+            ) from died
 
     async def step(self, trajectories: list[Trajectory], train_actor: bool) -> dict[str, float]:
         if not self.critics:
@@ -320,10 +349,7 @@ class RayTrainerGroup:
     async def weights(self) -> Any:
         """An object-store reference to rank 0's gathered policy state dict."""
         calls = [a.weights.remote() for a in self.ranks]
-        try:
-            await asyncio.gather(*calls[1:])
-        except self.ray.exceptions.RayActorError as err:
-            raise TrainerRankError(f"a trainer rank died while gathering weights ({err})") from err
+        await self._wait(calls[1:], "the weights' gathering", also=calls[0])
         return calls[0]
 
     async def new_weight_group(self, world_size: int, backend: str, timeout_s: float) -> Any:
