@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import resource
 import statistics
 import time
 from collections import defaultdict
@@ -190,28 +191,43 @@ def gemm_rate(n: int, repeats: int = 5) -> float:
 # ------------------------------------------------------------------ pass timing
 
 
+def usage() -> tuple[float, float]:
+    """(system CPU seconds, minor page faults) of this process so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_stime, float(r.ru_minflt)
+
+
 class Passes:
-    """Exclusive wall time per pass label while :meth:`measuring` is active."""
+    """Exclusive wall time per pass label while :meth:`measuring` is active,
+    and with it the system CPU time and minor page faults (the kernel's share:
+    freshly mapped memory is zeroed on first touch, one fault a page)."""
 
     def __init__(self) -> None:
         self.t: dict[str, float] = defaultdict(float)
-        self._stack: list[float] = []
+        self.sys: dict[str, float] = defaultdict(float)
+        self.faults: dict[str, float] = defaultdict(float)
+        self._stack: list[tuple[float, float, float]] = []
         self.critic_applied = 0  # critic optimizer updates so far in this step
         self.in_update = False  # inside update_critic
         self.owner = "actor"  # whose forward ran last (its backward follows)
 
     def timed(self, label: Callable[[], str] | str, fn: Callable[..., Any]) -> Callable[..., Any]:
         def run(*args: Any, **kwargs: Any) -> Any:
-            start = time.perf_counter()
-            self._stack.append(0.0)
+            start, (sys0, flt0) = time.perf_counter(), usage()
+            self._stack.append((0.0, 0.0, 0.0))
             try:
                 return fn(*args, **kwargs)
             finally:
-                spent = time.perf_counter() - start
+                spent, (sys1, flt1) = time.perf_counter() - start, usage()
+                own = (spent, sys1 - sys0, flt1 - flt0)
                 inner = self._stack.pop()
-                self.t[label() if callable(label) else label] += spent - inner
+                name = label() if callable(label) else label
+                self.t[name] += own[0] - inner[0]
+                self.sys[name] += own[1] - inner[1]
+                self.faults[name] += own[2] - inner[2]
                 if self._stack:
-                    self._stack[-1] += spent
+                    w, c, f = self._stack[-1]
+                    self._stack[-1] = (w + own[0], c + own[1], f + own[2])
 
         return run
 
@@ -297,14 +313,18 @@ class Passes:
                     delattr(obj, name)
 
 
-def timed_step(trainer: Trainer, trajs: list[Trajectory]) -> tuple[float, dict[str, float]]:
-    """(wall seconds, exclusive seconds per pass) of one ``trainer.step``."""
+Step = tuple[float, float, float, Passes]
+"""(wall seconds, system CPU seconds, minor page faults, its passes) of one step."""
+
+
+def timed_step(trainer: Trainer, trajs: list[Trajectory]) -> Step:
+    """One measured ``trainer.step``."""
     passes = Passes()
     with passes.measuring(trainer):
-        t0 = time.perf_counter()
+        t0, (sys0, flt0) = time.perf_counter(), usage()
         trainer.step(trajs)
-        wall = time.perf_counter() - t0
-    return wall, dict(passes.t)
+        wall, (sys1, flt1) = time.perf_counter() - t0, usage()
+    return wall, sys1 - sys0, flt1 - flt0, passes
 
 
 # ------------------------------------------------------------------ report
@@ -317,23 +337,33 @@ def needed(label: str) -> bool:
     return label.startswith(NEEDED) and "old policy" not in label
 
 
-def report(name: str, walls: list[float], runs: list[dict[str, float]], flops: float) -> float:
+def report(name: str, steps: list[Step], flops: float) -> float:
     """Print one arm's per-pass medians; return its median wall time."""
-    wall = statistics.median(walls)
+    wall = statistics.median(s[0] for s in steps)
+    runs = [s[3] for s in steps]
     labels = sorted(
-        {k for r in runs for k in r},
-        key=lambda k: -statistics.median([r.get(k, 0.0) for r in runs]),
+        {k for r in runs for k in r.t},
+        key=lambda k: -statistics.median([r.t.get(k, 0.0) for r in runs]),
     )
-    med = {k: statistics.median([r.get(k, 0.0) for r in runs]) for k in labels}
-    total = sum(med.values())
-    need = sum(v for k, v in med.items() if needed(k))
-    print(f"\n{name}: step {wall:.3f} s (median of {len(walls)})")
-    print(f"  {'pass':42s} {'s':>8s} {'share':>6s}")
+
+    def med(table: str, k: str) -> float:
+        return statistics.median([getattr(r, table).get(k, 0.0) for r in runs])
+
+    total = sum(med("t", k) for k in labels)
+    need = sum(med("t", k) for k in labels if needed(k))
+    print(f"\n{name}: step {wall:.3f} s (median of {len(steps)})")
+    print(f"  {'pass':42s} {'s':>8s} {'share':>6s} {'sys s':>7s} {'faults':>8s}")
     for k in labels:
         mark = "" if needed(k) else "  (overhead)"
-        print(f"  {k:42s} {med[k]:8.3f} {med[k] / wall:6.1%}{mark}")
+        t, sys, flt = med("t", k), med("sys", k), med("faults", k)
+        print(f"  {k:42s} {t:8.3f} {t / wall:6.1%} {sys:7.2f} {flt:8.0f}{mark}")
     print(f"  {'sum of passes':42s} {total:8.3f} {total / wall:6.1%}")
     print(f"  {'passes the step needs':42s} {need:8.3f}   step / needed = {wall / need:.2f}x")
+    sys, flt = statistics.median(s[1] for s in steps), statistics.median(s[2] for s in steps)
+    print(
+        f"  system CPU {sys:.2f} s ({sys / wall:.0%} of the step), {flt:,.0f} minor page "
+        f"faults ({flt * resource.getpagesize() / 2**30:.1f} GiB first touched)"
+    )
     print(f"  needed work {flops / 1e9:,.1f} GFLOP, {flops / wall / 1e9:,.2f} GFLOP/s")
     return wall
 
@@ -370,14 +400,11 @@ def main() -> None:
     print(f"float32 GEMM rate (torch.mm {args.gemm}^3): {rate / 1e9:.1f} GFLOP/s")
     for n in names:  # warm-up: first-call checks (head, packing), allocator
         arms[n].step(trajs)
-    walls: dict[str, list[float]] = {n: [] for n in names}
-    runs: dict[str, list[dict[str, float]]] = {n: [] for n in names}
+    steps: dict[str, list[Step]] = {n: [] for n in names}
     for r in range(args.repeats):
         for n in names if r % 2 == 0 else names[::-1]:
-            wall, passes = timed_step(arms[n], trajs)
-            walls[n].append(wall)
-            runs[n].append(passes)
-    med = {n: report(n.upper(), walls[n], runs[n], w[n]) for n in names}
+            steps[n].append(timed_step(arms[n], trajs))
+    med = {n: report(n.upper(), steps[n], w[n]) for n in names}
     rate2 = gemm_rate(args.gemm)
     print(f"\nfloat32 GEMM rate after: {rate2 / 1e9:.1f} GFLOP/s")
     for n in names:

@@ -28,13 +28,15 @@ def test_pass_timing_sees_each_pass_and_restores_the_trainer() -> None:
     policy = ts.build_policy("tiny")
     trajs = ts.make_batch("calc", 8, policy.config.vocab_size)
     sao, grpo, critic = ts.trainers(policy, OptimSettings(token_budget=256))
-    _, passes = ts.timed_step(sao, trajs)
+    wall, sys, faults, timed = ts.timed_step(sao, trajs)
+    passes = timed.t
+    assert wall > 0 and sys >= 0 and faults >= 0 and set(timed.faults) == set(passes)
     for k in ("critic update 1 forward", "critic update 2 backward", "actor backward"):
         assert k in passes, k
     assert not any(k.startswith("values fwd") for k in passes)  # shared with update 1
     assert "_apply" not in vars(sao) and "update_critic" not in vars(sao)
     assert "forward" not in vars(sao.critic) and torch.Tensor.backward.__name__ == "backward"
-    _, passes = ts.timed_step(grpo, trajs)
+    passes = ts.timed_step(grpo, trajs)[3].t
     assert "actor forward (old policy)" not in passes  # PPO's old policy is the update's forward
     lengths = [len(t.tokens) for t in trajs]
     work = ts.work(policy, critic, lengths, sao.algo.critic_steps)
