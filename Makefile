@@ -30,9 +30,12 @@ typecheck: install
 	$(VENV)/bin/mypy sao
 
 # Warm-started policies the tests need are built first, once (one line each);
-# the 15 slowest tests are listed at the end.
+# the 15 slowest tests are listed at the end. The tests run in TEST_WORKERS
+# processes (pytest-xdist), each with its share of the cores' torch threads:
+# 2 fit the 2-core reference machine; `make test TEST_WORKERS=auto` uses one per core.
+TEST_WORKERS ?= 2
 test: lint typecheck
-	$(VENV)/bin/pytest -q --durations=15
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
 # Against a real vLLM (CPU build, installed once into $SAO_HOME/venvs, default
 # ~/.cache/sao/venvs, ~70 s, 3.4 GB), on tiny policies and on the real checkpoint of

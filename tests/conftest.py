@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
 
-pytest_plugins = ["tests.warm_starts"]  # warm starts built before the tests, once
+pytest_plugins = ["tests.warm_starts", "pytester"]  # (warm starts built before the tests, once)
+
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    # `pytest -n N`: the N workers share the cores, so each (and every process a
+    # test starts) gets its share of torch threads, not N times the cores
+    threads = max(1, len(os.sched_getaffinity(0)) // workers)
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -97,3 +97,51 @@ def test_only_the_selected_tests_presets_are_built() -> None:
     items = [_Item([pytest.mark.slow.mark]), _Item([a]), _Item([b, pytest.mark.slow.mark])]
     assert warm_starts.needed(items) == ["calc-tiny", "guess-tiny"]  # type: ignore[arg-type]
     assert warm_starts.needed(items[:1]) == []  # type: ignore[arg-type]
+
+
+XDIST_CONFTEST = """
+import sao.app.warmstart as warmstart
+from sao.app.warmstart import WarmStartRecipe
+
+warmstart.RECIPES["calculator"] = WarmStartRecipe(demos=8, epochs=1, batch_size=8, max_len=128)
+warmstart.RECIPES["guess_number"] = WarmStartRecipe(demos=8, epochs=1, batch_size=0)  # fails
+pytest_plugins = ["tests.warm_starts"]
+"""
+
+XDIST_TESTS = """
+import pytest
+from sao.app.warmstart import policy_dir
+from tests.warm_starts import preset_args
+
+
+@pytest.mark.warm_start("calc-tiny")
+@pytest.mark.parametrize("k", range(4))
+def test_calc(k):
+    task, options, size, seed = preset_args("calc-tiny")
+    assert policy_dir(task, options, size=size, seed=seed).is_dir()
+
+
+@pytest.mark.warm_start("guess-tiny")
+def test_guess():
+    pass
+"""
+
+
+def test_under_xdist_the_controller_builds_once_before_any_test(
+    pytester: pytest.Pytester, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("xdist")
+    monkeypatch.setenv("SAO_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parents[1]))
+    pytester.makeconftest(XDIST_CONFTEST)
+    pytester.makepyfile(test_xdist_build=XDIST_TESTS)
+    result = pytester.runpytest_subprocess("-n", "2", "-p", "no:cacheprovider")
+    out = result.stdout.str()
+    # one line each, on the controller's terminal, before the first result
+    built = re.findall(r"^calc-tiny: building .* \d+\.\d s$", out, re.M)
+    failed = re.findall(r"^guess-tiny: building .* failed after \d+\.\d s: ValueError", out, re.M)
+    assert len(built) == 1 and len(failed) == 1, out
+    assert out.index(built[0]) < out.index(failed[0]) < out.index("[100%]")
+    # the workers ran their tests on the cached policy; the failed build fails its test
+    result.assert_outcomes(passed=4, errors=1)
+    assert "guess-tiny's warm start failed to build before the tests: ValueError" in out

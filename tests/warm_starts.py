@@ -9,13 +9,20 @@ outside every per-test timeout: pytest-timeout times a test's setup, call and
 teardown, and collection is none of them. During the tests, building a warm
 start in the shared cache is an error: a test that would build one under its
 own timeout fails at once, naming the marker it lacks.
+
+Under pytest-xdist (``pytest -n N``, as ``make test`` runs) the controller
+builds them, on its terminal, after the first worker has collected and before
+any test is handed out; the workers wait.
 """
 
 from __future__ import annotations
 
+import json
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -66,11 +73,9 @@ def build(preset: str, write: Callable[[str], None]) -> str | None:
     return None
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Build the warm starts the selected tests need, before the first test."""
-    if session.config.option.collectonly:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+def build_all(config: pytest.Config, presets: list[str]) -> dict[str, str]:
+    """Build ``presets`` on the terminal; the errors of those that failed."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
 
     def write(text: str) -> None:
         if reporter is None:
@@ -79,12 +84,77 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             reporter.write(text, flush=True)
 
     failed = {}
-    for preset in needed(session.items):
+    for preset in presets:
         if reporter is not None:
             reporter.ensure_newline()
         if (error := build(preset, write)) is not None:
             failed[preset] = error
-    session.config.stash[FAILED] = failed
+    return failed
+
+
+@pytest.hookimpl(tryfirst=True)  # (a worker's list is written before xdist reports it collected)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Build the warm starts the selected tests need, before the first test.
+    Under pytest-xdist (``-n N``) a worker only says which it needs: the
+    controller builds them on its terminal before it hands out a test
+    (:func:`pytest_xdist_node_collection_finished`)."""
+    config = session.config
+    if config.option.collectonly:
+        return
+    presets = needed(session.items)
+    if (exchange := _exchange(config)) is not None:  # an xdist worker
+        worker = config.workerinput["workerid"]  # type: ignore[attr-defined]
+        (exchange / f"{worker}.json").write_text(json.dumps(presets))
+        return
+    config.stash[FAILED] = build_all(config, presets)
+
+
+# ------------------------------------------------------------------ pytest-xdist
+
+EXCHANGE = pytest.StashKey[Path]()
+"""The controller's folder for what its workers need and what failed to build."""
+KEY = "sao_warm_starts"
+
+
+def _exchange(config: pytest.Config) -> Path | None:
+    """The exchange folder, in an xdist worker (None elsewhere)."""
+    workerinput = getattr(config, "workerinput", None)
+    return None if workerinput is None else Path(workerinput[KEY])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    """(xdist controller) Give each worker the exchange folder."""
+    config = node.config
+    if EXCHANGE not in config.stash:
+        config.stash[EXCHANGE] = Path(tempfile.mkdtemp(prefix="sao-warm-starts-"))
+    node.workerinput[KEY] = str(config.stash[EXCHANGE])
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_node_collection_finished(node: Any, ids: list[str]) -> None:
+    """(xdist controller) When the first worker has collected, build what it
+    needs before any test is scheduled (workers collect the same tests), and
+    leave the failures where the workers' tests look for them."""
+    config = node.config
+    if FAILED in config.stash or config.option.collectonly:
+        return
+    exchange = config.stash[EXCHANGE]
+    wanted = exchange / f"{node.gateway.id}.json"  # (absent if its collection failed)
+    presets = json.loads(wanted.read_text()) if wanted.is_file() else []
+    failed = build_all(config, presets)
+    (exchange / "failed.json").write_text(json.dumps(failed))
+    config.stash[FAILED] = failed
+
+
+def _failed(config: pytest.Config) -> dict[str, str]:
+    """Presets whose warm start failed to build before the tests (in a worker:
+    as the controller left them, read once)."""
+    if FAILED not in config.stash:
+        exchange = _exchange(config)
+        path = None if exchange is None else exchange / "failed.json"
+        config.stash[FAILED] = json.loads(path.read_text()) if path and path.is_file() else {}
+    return config.stash[FAILED]
 
 
 @pytest.fixture(autouse=True)
@@ -94,7 +164,7 @@ def _no_warm_start_build(request: pytest.FixtureRequest, monkeypatch: pytest.Mon
     points ``SAO_HOME`` at its own folder may build there."""
     import sao.app.warmstart as warmstart
 
-    failed = request.config.stash.get(FAILED, {})
+    failed = _failed(request.config)
     for mark in request.node.iter_markers(MARKER):
         for preset in set(mark.args) & set(failed):
             pytest.fail(f"{preset}'s warm start failed to build before the tests: {failed[preset]}")

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -15,6 +14,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from tests.distributed.processes import own_ray_pids
 from tests.train.test_learning import _reward_gain, run
 
 
@@ -27,8 +27,7 @@ def _shutdown_ray():
 
 
 def _worker_pids() -> list[int]:
-    out = subprocess.run(["pgrep", "-f", "ray::RolloutWorker"], capture_output=True, text=True)
-    return [int(x) for x in out.stdout.split()]
+    return own_ray_pids("ray::RolloutWorker")
 
 
 def _kill_one_worker_after(metrics: Path, step: int, killed: list[int]) -> threading.Thread:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from sao.app.run import train
 from sao.config import load_config
 from sao.distributed.trainer import TrainerRankError
 from sao.rundir.checkpoint import saved_config
+from tests.distributed.processes import own_ray_pids
 from tests.train.test_learning import SayATask, _reward_gain, run
 
 
@@ -37,14 +37,10 @@ def _kill_rank_after(metrics: Path, step: int) -> threading.Thread:
         while time.monotonic() < deadline:
             if metrics.is_file():
                 steps = [json.loads(x).get("step", 0) for x in metrics.read_text().splitlines()]
-                if steps and max(steps) >= step:
-                    out = subprocess.run(
-                        ["pgrep", "-f", "ray::TrainerRank"], capture_output=True, text=True
-                    )
-                    pids = [int(x) for x in out.stdout.split()]
-                    if pids:
-                        os.kill(pids[-1], signal.SIGKILL)
-                        return
+                pids = own_ray_pids("ray::TrainerRank") if steps and max(steps) >= step else []
+                if pids:
+                    os.kill(pids[-1], signal.SIGKILL)
+                    return
             time.sleep(0.05)
 
     t = threading.Thread(target=watch, daemon=True)
