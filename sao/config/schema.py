@@ -249,9 +249,12 @@ class TrainConfig(_Section):
     """Global gradient-norm clip of actor and critic."""
     token_budget: PositiveInt = 8192
     """Micro-batch size in tokens for forward/backward (padded B*T; real tokens if packing)."""
-    packing: bool = False
+    packing: bool | Literal["auto"] = "auto"
     """Padding-free training: pack each micro-batch's rows into one sequence (position ids
-    restart per row, attention never crosses rows); the same losses and gradients."""
+    restart per row, attention never crosses rows); the same losses and gradients. auto: on
+    the CPU, each step whose padded micro-batches would be >= 15% padding is packed (1.3-2x
+    faster there; a batch without padding runs ~10% slower packed); off on CUDA (not yet
+    measured)."""
     max_bad_steps: PositiveInt = 3
     """Stop after this many consecutive steps with a NaN/inf log-prob, value, loss, gradient
     or update (each such update is skipped: the weights stay the last good ones)."""

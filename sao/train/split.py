@@ -16,11 +16,14 @@ import torch
 from sao.types import Batch
 
 __all__ = [
+    "PACK_WASTE",
     "micro_batch_rows",
     "packed_micro_batch_rows",
     "padding_micro_batch",
+    "padding_waste",
     "select_rows",
     "split_rows",
+    "worth_packing",
 ]
 
 
@@ -73,6 +76,29 @@ def micro_batch_rows(
     if group:
         out.append(group)
     return out
+
+
+def padding_waste(lengths: Sequence[int], token_budget: int) -> float:
+    """The share of padding in the padded plan of a whole batch: its token
+    slots (``len(micro_batch) * longest_row``, summed) over the real tokens, less 1."""
+    plan = micro_batch_rows(lengths, range(len(lengths)), token_budget)
+    slots = sum(len(rows) * max(max(lengths[i] for i in rows), 1) for rows in plan)
+    return slots / max(sum(lengths), 1) - 1
+
+
+PACK_WASTE = 0.15
+"""``train.packing=auto`` packs a step whose padded plan would run at least
+this share of padding. Without padding, the packed forward and backward run
+at 0.87-0.90x the padded ones' tokens/s on the CPU (``benchmarks/packing.py``
+on 64 rows of 96 tokens and on 4 x 1024 + 60 x 64); on calc-tiny's batches
+(~70% padding) they take 1.3-1.8x less time, on long-tailed ones 2x
+(``benchmarks/trainer_step.py``, BENCHMARKS.md)."""
+
+
+def worth_packing(lengths: Sequence[int], token_budget: int) -> bool:
+    """Whether ``train.packing=auto`` packs a batch of these row lengths (the
+    whole batch's: every rank decides the same)."""
+    return padding_waste(lengths, token_budget) >= PACK_WASTE
 
 
 def packed_micro_batch_rows(

@@ -19,7 +19,8 @@ the step is the same code on one rank or many (sao/train/sharded.py)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Literal
 
 import torch
 from torch import nn
@@ -43,6 +44,7 @@ from sao.train.estimators import (
 from sao.train.guard import WHAT, Guard, NonFiniteError, nonfinite
 from sao.train.precision import MasterWeights, adamw, adamw_nonfinite, adamw_step_bound
 from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
+from sao.train.split import worth_packing
 from sao.types import Batch, Trajectory, collate
 
 
@@ -58,7 +60,10 @@ class OptimSettings:
     max_bad_steps: int = 3
     temperature: float = 1.0
     max_action_tokens: int = 256
-    packing: bool = False  # padding-free micro-batches (sao.models.packing)
+    packing: bool | Literal["auto"] = False
+    """Padding-free micro-batches (:mod:`sao.models.packing`); ``auto``: on the
+    CPU, each step whose padded plan would run much padding
+    (:data:`sao.train.split.PACK_WASTE`); padded on CUDA (not measured yet)."""
 
 
 _UPDATE = "update (AdamW would make weights NaN/inf)"
@@ -82,23 +87,29 @@ class Trainer:
     ) -> None:
         """``policy`` None: the critic alone (its ranks of their own, ``runtime.critic_ranks``);
         ``critic`` None with a critic algorithm: the actor alone, advantages come from those."""
+        model = policy if policy is not None else critic
+        assert model is not None, "a trainer trains a policy, a critic or both"
+        self.device = next(model.parameters()).device
+        # auto: each step packs if its padded plan would run much padding (on the CPU,
+        # where that was measured to win; never on CUDA, not measured yet)
+        self.auto_packing = settings.packing == "auto" and self.device.type == "cpu"
+        if settings.packing == "auto":
+            settings = replace(settings, packing=self.auto_packing)
+        self.packing = settings.packing is True  # this step's (auto: set by prepare)
         self.policy, self.critic, self.algo, self.opt = policy, critic, algo, settings
         self.ranks = RankContext() if ranks is None else ranks
         # FSDP2 with N ranks (before the optimizers: parameters become DTensors); as is on one
         self.actor: nn.Module | None = None
         self.actor_weights: MasterWeights | None = None
         self.actor_optim: torch.optim.Optimizer | None = None
+        self._logprobs: PolicyLogprobs | None = None  # the actor (FSDP2 shards it in place)
         if policy is not None:
-            self.actor = self.ranks.shard(
-                PolicyLogprobs(policy, settings.temperature, settings.packing)
-            )
+            self._logprobs = PolicyLogprobs(policy, settings.temperature, self.packing)
+            self.actor = self.ranks.shard(self._logprobs)
             self.actor_weights = MasterWeights(policy.parameters())
             self.actor_optim = adamw(self.actor_weights.params, settings.actor_lr)
         if critic is not None:
             self.ranks.shard(critic)
-        model = policy if policy is not None else critic
-        assert model is not None, "a trainer trains a policy, a critic or both"
-        self.device = next(model.parameters()).device
         self.critic_weights: MasterWeights | None = None
         self.critic_optim: torch.optim.Optimizer | None = None
         self.critic_sched: torch.optim.lr_scheduler.LRScheduler | None = None
@@ -150,6 +161,8 @@ class Trainer:
         if self.algo.truncation == "drop":
             trajs = [t for t in trajs if not t.truncated] or trajs
         batch = collate(trajs).to(self.device)
+        if self.auto_packing:
+            self.use_packing(worth_packing([len(t.tokens) for t in trajs], self.opt.token_budget))
         if self.algo.overlong_penalty:
             lengths_B = batch.action_mask_BT.sum(dim=1)
             cache = max(self.opt.max_action_tokens // 4, 1)
@@ -182,7 +195,7 @@ class Trainer:
             return None
         out = batch.rollout_logp_BT.new_zeros(batch.tokens_BT.shape, dtype=torch.float32)
         for mb, rows in self._with_rows(batch):
-            v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.opt.packing).float()
+            v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.packing).float()
             out[rows, : v.shape[1]] = v
         return self.ranks.sum_rows(out)  # each row was filled by one rank
 
@@ -250,7 +263,7 @@ class Trainer:
         self.critic_optim.zero_grad(set_to_none=True)
         guard = Guard(self.device)
         for mb, rows in self._with_rows(batch):
-            v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.opt.packing)
+            v = self.critic(mb.tokens_BT, mb.attention_mask_BT, packed=self.packing)
             m = mask_BT[rows, : v.shape[1]]
             ret, old = targets(mb, rows, v)
             if ret is None:
@@ -314,8 +327,14 @@ class Trainer:
             raise RuntimeError("this trainer holds no policy (its critic trains on its own ranks)")
         return self.actor, self.actor_weights, self.actor_optim
 
+    def use_packing(self, packed: bool) -> None:
+        """Run the next forwards packed or padded (the same numbers to 1e-5)."""
+        self.packing = packed
+        if self._logprobs is not None:
+            self._logprobs.packed = packed
+
     def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
-        return self.ranks.micro_batches(batch, self.opt.token_budget, packed=self.opt.packing)
+        return self.ranks.micro_batches(batch, self.opt.token_budget, packed=self.packing)
 
     def _apply(
         self, model: str, weights: MasterWeights, optim: torch.optim.Optimizer, guard: Guard

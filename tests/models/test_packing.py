@@ -12,7 +12,7 @@ from sao.models.packing import pack_rows
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
 from sao.models.value import ValueModel
-from sao.train.split import packed_micro_batch_rows
+from sao.train.split import packed_micro_batch_rows, padding_waste, worth_packing
 from sao.train.trainer import OptimSettings, Trainer
 from sao.types import Trajectory, Turn
 
@@ -135,3 +135,47 @@ def test_trainer_step_packed_equals_padded() -> None:
             torch.testing.assert_close(gp, gq, rtol=1e-4, atol=1e-6)
     for a, b in zip(w_pack, w_pad, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_padding_waste_of_the_padded_plan() -> None:
+    # one micro-batch [2, 4, 4] padded to 4: 12 slots for 10 tokens
+    assert padding_waste([4, 2, 4], 100) == pytest.approx(0.2)
+    # budget 8: [2, 4] padded to 4 (8 slots) and [4] (4): again 12
+    assert padding_waste([4, 2, 4], 8) == pytest.approx(0.2)
+    # budget 4: each row alone, no padding
+    assert padding_waste([4, 2, 4], 4) == 0.0
+    assert worth_packing([4, 2, 4], 100) and not worth_packing([4, 2, 4], 4)  # 15%
+
+
+def test_auto_packing_packs_a_cpu_step_only_when_it_pads_much() -> None:
+    from sao.config import load_config
+
+    assert load_config().train.packing == "auto"
+    assert load_config(overrides=["train.packing=false"]).train.packing is False
+    policy = build_tiny_policy(TOK, size="0.1m", seed=0)
+    auto = Trainer(policy, None, PRESETS["grpo"], OptimSettings(packing="auto"))
+    assert auto.auto_packing and auto._logprobs is not None
+
+    def step(lengths: list[int]) -> bool:
+        trajs = [
+            Trajectory(
+                prompt_id=f"p{i}",
+                tokens=(1,) * n,
+                action_mask=(False,) + (True,) * (n - 1),
+                rollout_logp=(0.0,) + (-1.0,) * (n - 1),
+                versions=(-1,) + (0,) * (n - 1),
+                turns=(Turn(1, n, n),),
+                reward=float(i % 2),
+                finish_reason="stop",
+                group_id="g",
+            )
+            for i, n in enumerate(lengths)
+        ]
+        auto.step(trajs)
+        assert auto._logprobs is not None and auto._logprobs.packed == auto.packing
+        return auto.packing
+
+    assert step([40, 8, 8, 8]) is True  # padded to 40: 160 slots, 64 tokens
+    assert step([12, 12, 12, 12]) is False  # no padding
+    fixed = Trainer(policy, None, PRESETS["grpo"], OptimSettings())
+    assert not fixed.auto_packing and fixed.packing is False
