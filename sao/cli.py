@@ -96,10 +96,13 @@ def _check(args: argparse.Namespace) -> int:
     from sao.envs.base import Task
     from sao.rollout.check import check_logprobs
 
+    if args.episodes < 1:
+        raise ConfigError(f"--episodes {args.episodes}: use 1 or more episodes to compare")
     cfg = _load(args)
     p = build_parts(cfg)
     assert isinstance(p.task, Task)  # the built-in task: sao check takes no agent
-    envs = [p.task.make_env("eval", i) for i in range(args.episodes)]
+    # as `sao eval`: at most the task's held-out problems, indices 0..n-1
+    envs = [p.task.make_env("eval", i) for i in range(min(args.episodes, p.task.eval_size))]
 
     async def go(scratch: Path) -> int:
         async with open_rollout_engine(

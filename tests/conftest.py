@@ -6,8 +6,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
+# sao before torch, so that its GOMP_SPINCOUNT default (sao/__init__.py) reaches
+# torch's OpenMP threads for a plain `pytest` too (make test also exports it)
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
 
@@ -16,6 +17,8 @@ pytest_plugins = ["tests.warm_starts", "pytester"]  # (warm starts built before 
 if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
     # `pytest -n N`: the N workers share the cores, so each (and every process a
     # test starts) gets its share of torch threads, not N times the cores
+    import torch
+
     threads = max(1, len(os.sched_getaffinity(0)) // workers)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)

@@ -216,3 +216,17 @@ def test_eval_sizes_the_kv_cache_by_the_episode_budget(
     task = ["--set", "task.name=guess_number", "--set", "rollout.max_total_tokens=96"]
     assert main(["eval", str(tiny_policy), "--episodes", "1", *task]) == 0
     assert sizes == [96]
+
+
+def test_check_takes_at_most_the_held_out_set(
+    tiny_policy: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # more episodes than the held-out set holds were a bare IndexError on a dataset
+    # task, and on guess_number problems past the held-out set
+    argv = ["check", "--set", f"model.path={tiny_policy}", "--set", "task.name=guess_number"]
+    argv += ["--set", "task.options.eval_size=2", "--set", "rollout.max_new_tokens=4"]
+    assert main([*argv, "--episodes", "50"]) == 0
+    out = capsys.readouterr().out
+    (report,) = [x for x in out.splitlines() if x.startswith("torch engine: ")]
+    assert report.endswith(" in 2 episodes"), out
+    assert "--episodes 0: use 1 or more" in fails(capsys, [*argv, "--episodes", "0"])

@@ -21,3 +21,14 @@ def test_import_sao_sets_a_short_spin_and_keeps_the_users() -> None:
     env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
     assert spin_after_import(env) == "1000"
     assert spin_after_import(env | {"GOMP_SPINCOUNT": "300000"}) == "300000"
+
+
+def test_the_tests_import_sao_before_torch() -> None:
+    # a plain `pytest` gets the short spin too: the first conftest imports sao first
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    cmd = [sys.executable, "-X", "importtime", "-c", "import tests.conftest"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    # one line per module as its import finishes: a package before what it imports later
+    done = [line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()]
+    assert done.index("sao") < done.index("torch"), "torch was imported before sao"
