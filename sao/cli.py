@@ -15,8 +15,20 @@ from sao.config.reference import reference_markdown
 
 
 def _load(args: argparse.Namespace) -> Config:
-    """The config of ``--preset``, ``--config`` and ``--set``, with a known task."""
-    return _known_task(load_config(args.preset, args.config, args.set))
+    """The config of ``--preset``, ``--config`` and ``--set``, with a known task; says
+    on stderr which earlier ``algo.*`` settings a switch of algorithm dropped."""
+    from sao.config.resolve import dropped_algo_settings
+
+    cfg = _known_task(load_config(args.preset, args.config, args.set))
+    dropped = dropped_algo_settings(args.preset, args.config, args.set)
+    if dropped:
+        items = ", ".join(f"{k}={v!r}" for k, v in dropped.items())
+        print(
+            f"note: algo.preset={cfg.algo.preset!r} replaced an earlier source's algorithm, so "
+            f"its settings {items} do not apply (set them again with --set to keep them)",
+            file=sys.stderr,
+        )
+    return cfg
 
 
 def _known_task(cfg: Config) -> Config:
@@ -51,6 +63,13 @@ def _train(args: argparse.Namespace) -> int:
         f"held-out success: {summary['eval/success_first']:.3f} -> "
         f"{summary['eval/success_last']:.3f} (best {summary['eval/success_best']:.3f})"
     )
+    if "eval/critic_auc_last" in summary:  # how well the critic ranks held-out prompts
+        print(
+            f"critic on held-out prompts: AUC {summary['eval/critic_auc_first']:.3f} -> "
+            f"{summary['eval/critic_auc_last']:.3f}, explained variance "
+            f"{summary.get('eval/critic_ev_first', float('nan')):.3f} -> "
+            f"{summary.get('eval/critic_ev_last', float('nan')):.3f}"
+        )
     return 0
 
 

@@ -33,8 +33,10 @@ from sao.algo.losses import (
 )
 from sao.algo.presets import PRESETS, AlgoPreset, get_preset
 from sao.algo.stats import (
+    binary_auc,
     effective_sample_size,
     explained_variance,
+    explained_variance_n,
     kl_k1,
     kl_k3,
     masked_fractions,
@@ -50,6 +52,7 @@ __all__ = [
     "adaptive_lambda",
     "aggregate",
     "aggregate_denom",
+    "binary_auc",
     "broadcast_to_tokens",
     "cispo_loss",
     "count_turns",
@@ -57,6 +60,7 @@ __all__ = [
     "dynamic_sampling_mask",
     "effective_sample_size",
     "explained_variance",
+    "explained_variance_n",
     "gae",
     "get_preset",
     "group_advantages",

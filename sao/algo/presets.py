@@ -93,6 +93,29 @@ class AlgoPreset:
 
     value_clip: float | None = None
     """PPO-style value clipping width for the critic loss (None: plain squared error, paper)."""
+
+    value_head_init: Literal["random", "zero"] = "random"
+    """The new critic's value head: 'random' (small normal weight, bias 0: gradient reaches
+    the trunk from the first update) or 'zero' (weight and bias 0: the critic starts as the
+    constant 0, so its first advantages hold no token-to-token noise) [choice, not the paper's].
+    """
+
+    critic_train_layers: int | None = None
+    """Train only the critic's top N decoder layers (with frozen attention: their MLPs), its
+    final norm and its value head; the layers below and the embeddings are frozen, so the
+    critic's backward stops at layer L - N (a cheaper critic). None: every layer (paper)
+    [choice, not the paper's].
+    """
+
+    critic_ready_gain: float | None = None
+    """Give the actor Monte-Carlo advantages (lambda 1) until the critic predicts the return
+    better than the running mean of earlier returns, on episodes it has not trained on:
+    ``critic/heldout_gain`` (``1 - MSE(critic) / MSE(running mean)`` over the last 128
+    episodes' values at the prompt, each taken before the critic saw its episode) >= this;
+    then ``lam_actor`` (or the length-adaptive lambda). None: always the configured lambda
+    (paper). Keeps a young critic's token-to-token noise out of the actor's advantages
+    [choice, not the paper's].
+    """
     gamma: float = 1.0
     """Discount factor."""
 
@@ -148,6 +171,18 @@ class AlgoPreset:
             raise ValueError(f"gamma must be in [0, 1], got {self.gamma}")
         if self.lam_alpha <= 0:
             raise ValueError(f"lam_alpha must be > 0, got {self.lam_alpha}")
+        if self.value_head_init not in ("random", "zero"):
+            raise ValueError(
+                f"value_head_init must be random or zero, got {self.value_head_init!r}"
+            )
+        if self.critic_train_layers is not None and self.critic_train_layers < 1:
+            raise ValueError(
+                f"critic_train_layers must be >= 1 or None, got {self.critic_train_layers}"
+            )
+        if self.critic_ready_gain is not None and not self.critic_ready_gain <= 1.0:
+            raise ValueError(
+                f"critic_ready_gain must be <= 1 or None, got {self.critic_ready_gain}"
+            )
 
     def with_(self, **changes: object) -> AlgoPreset:
         """A copy with some fields changed (validated again)."""

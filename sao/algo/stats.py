@@ -20,8 +20,10 @@ import torch
 from sao.algo._checks import check_any, check_mask, check_same_shape
 
 __all__ = [
+    "binary_auc",
     "effective_sample_size",
     "explained_variance",
+    "explained_variance_n",
     "kl_k1",
     "kl_k3",
     "masked_fractions",
@@ -212,3 +214,35 @@ def masked_fractions(
     ``low < r < high``: a token at an edge counts as masked. Detached.
     """
     return _fractions_n(pack(_checked(mask_BT, ratio_BT=ratio_BT), ratio_BT)[0], low, high)
+
+
+def explained_variance_n(values_N: torch.Tensor, returns_N: torch.Tensor) -> torch.Tensor:
+    """:func:`explained_variance` of two flat ``[N]`` vectors (every entry counts):
+    ``1 - Var(R - V) / Var(R)``; NaN when the returns are all equal. Detached."""
+    check_same_shape(values_N=values_N, returns_N=returns_N)
+    if values_N.numel() == 0:
+        return torch.tensor(math.nan)
+    return _explained_variance_n(as_compute_dtype(values_N.detach()), as_compute_dtype(returns_N))
+
+
+def binary_auc(scores_N: torch.Tensor, positive_N: torch.Tensor) -> torch.Tensor:
+    """Area under the ROC curve of ``scores`` for telling ``positive`` entries from
+    the others: the probability that a random positive scores above a random
+    negative, ties counted one half (the Mann-Whitney U statistic over
+    ``n_pos * n_neg``). 0.5 is chance, 1 a perfect ranking. NaN when either class
+    is empty. Shapes: both ``[N]``. Detached.
+
+    Example: scores (0.1, 0.4, 0.35, 0.8), positives (F, F, T, T): of the 4
+    positive/negative pairs, (0.35 vs 0.1), (0.8 vs 0.1), (0.8 vs 0.4) are
+    ordered right and (0.35 vs 0.4) wrong: AUC 3/4.
+    """
+    check_same_shape(scores_N=scores_N, positive_N=positive_N)
+    pos = positive_N.bool().flatten()
+    x = as_compute_dtype(scores_N.detach()).flatten()
+    n_pos, n_neg = int(pos.sum()), int((~pos).sum())
+    if n_pos == 0 or n_neg == 0:
+        return torch.tensor(math.nan, dtype=x.dtype)
+    # pairwise comparison: N is a held-out set (hundreds), so N^2 is small
+    diff = x[pos].unsqueeze(1) - x[~pos].unsqueeze(0)
+    wins = (diff > 0).to(x.dtype).sum() + 0.5 * (diff == 0).to(x.dtype).sum()
+    return wins / (n_pos * n_neg)

@@ -47,7 +47,7 @@ def model_device_type(cfg: Config, policy: nn.Module) -> str:
     "meta" shell (the driver of Ray trainer ranks) the configured ``model.device``."""
     device = next(policy.parameters()).device
     if device.type == "meta":
-        from sao.models.device import resolve_device
+        from sao.models.loading import resolve_device
 
         device = resolve_device(cfg.model.device)
     return device.type

@@ -17,10 +17,16 @@ from sao.config import Config, ConfigError
 from sao.envs.base import Task
 from sao.envs.latency import LatencyWrapper
 from sao.envs.registry import make_task
-from sao.models.device import DeviceError, resolve_device, resolve_dtype
 from sao.models.fetch import resolve_model_path
-from sao.models.freeze import freeze_attention
-from sao.models.loading import load_policy, load_tokenizer, policy_shell
+from sao.models.freeze import freeze_attention, freeze_below
+from sao.models.loading import (
+    DeviceError,
+    load_policy,
+    load_tokenizer,
+    policy_shell,
+    resolve_device,
+    resolve_dtype,
+)
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
 from sao.runtime.orchestrator import FailurePolicy
@@ -181,6 +187,7 @@ def load_critic(
             dtype=dtype,
             device=device,
             seed=cfg.seed,
+            head_init=algo.value_head_init,
         )
     if algo.freeze_critic_attention:
         report = freeze_attention(critic)  # before the optimizer is built (paper section 4)
@@ -188,6 +195,16 @@ def load_critic(
             print(
                 f"critic attention frozen: {report.num_frozen:,} parameters frozen, "
                 f"{report.num_trainable:,} trainable"
+            )
+    if algo.critic_train_layers is not None:
+        try:
+            report = freeze_below(critic, algo.critic_train_layers)
+        except ValueError as e:
+            raise ConfigError(f"algo.critic_train_layers: {e}") from None
+        if not quiet:
+            print(
+                f"critic trains its top {algo.critic_train_layers} layers only: "
+                f"{report.num_trainable:,} parameters trainable, {report.num_frozen:,} frozen"
             )
     return critic
 
@@ -199,6 +216,7 @@ def optim_settings(cfg: Config) -> OptimSettings:
         actor_lr=t.actor_lr,
         critic_lr=t.critic_lr,
         critic_lr_warmup_steps=t.critic_lr_warmup_steps,
+        actor_lr_warmup_steps=t.actor_lr_warmup_steps,
         grad_clip=t.grad_clip,
         token_budget=t.token_budget,
         max_bad_steps=t.max_bad_steps,

@@ -51,7 +51,9 @@ from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
 from sao.runtime.trainers import LocalTrainer, TrainerHandle
 from sao.runtime.transcripts import EVAL_SAMPLES, EvalSamples, last_evaluation
+from sao.train.critic_fit import heldout_fit
 from sao.train.guard import NonFiniteError
+from sao.types import FAILURES as FAILED
 from sao.types import Trajectory
 
 
@@ -177,12 +179,12 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
             if ckpt is None:
                 budget, prints = p.cfg.train.logprob_budget, logger.print
                 await logprob_gate(budget, p.sampling, handle, runner, engine, prints)
-                logger.log(0, {"wall_s": 0.0, **await _eval(p, runner, samples, 0)})
+                logger.log(0, {"wall_s": 0.0, **await _eval(p, runner, samples, 0, handle)})
 
             async def on_step(step: int, m: dict[str, float]) -> None:
                 m["wall_s"] = orch.clock.elapsed()
                 if step % cfg.eval.every == 0 or step == total:
-                    m |= await _eval(p, runner, samples, step)
+                    m |= await _eval(p, runner, samples, step, handle)
                 logger.log(step, m)
                 ledger.trained(step, gate.rejected)
                 if step % cfg.log.checkpoint_every == 0 or step == total:
@@ -311,14 +313,20 @@ async def _rollout(
 
 
 async def _eval(
-    p: Parts, runner: EpisodeRunner, samples: EvalSamples, step: int
+    p: Parts, runner: EpisodeRunner, samples: EvalSamples, step: int, handle: TrainerHandle
 ) -> dict[str, float]:
-    """Held-out evaluation at ``step``: its metrics; its transcripts go to ``samples``."""
+    """Held-out evaluation at ``step``: its metrics, with how well the critic's value at
+    each held-out prompt predicts the reward (``eval/critic_ev``, ``eval/critic_auc``);
+    its transcripts go to ``samples``."""
     r = await evaluate(
         runner, episodes=p.cfg.eval.episodes, max_new_tokens=p.cfg.rollout.max_new_tokens
     )
     samples.record(step, r.trajectories)
-    return r.metrics()
+    if not p.cfg.algo.resolve().use_critic:
+        return r.metrics()
+    values = await handle.prompt_values(list(r.trajectories))
+    rewards = [0.0 if t.finish_reason in FAILED else t.reward for t in r.trajectories]
+    return r.metrics() | heldout_fit(values, rewards)
 
 
 _BUFFER_COUNTERS = ("filtered", "failed")

@@ -13,7 +13,7 @@ from typing import Any
 from pydantic import BaseModel, ValidationError
 
 from sao.config.presets import PRESETS
-from sao.config.schema import Config
+from sao.config.schema import AlgoConfig, Config
 from sao.config.sources import ConfigError, parse_override, read_file
 
 
@@ -67,13 +67,52 @@ def _merge(base: dict[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def load_config(
-    preset: str | None = None,
-    file: str | Path | None = None,
-    overrides: Sequence[str] = (),
-) -> Config:
-    """Resolve preset -> file -> ``--set`` overrides into a validated :class:`Config`."""
+def _algo_name(algo: object) -> str | None:
+    """The algorithm preset a layer's ``algo`` section names (None: it names none)."""
+    if isinstance(algo, str):
+        return algo
+    name = algo.get("preset") if isinstance(algo, Mapping) else None
+    return name if isinstance(name, str) else None
+
+
+def _layer(
+    data: dict[str, Any], layer: Mapping[str, Any], dropped: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """Merge one source (the preset, the file, the ``--set`` items) onto the ones
+    before it. A layer that switches the algorithm (``algo = "sao"`` where an
+    earlier layer chose ``grpo``) drops the earlier layers' ``algo.*`` settings
+    (recorded in ``dropped``): they were chosen for the other algorithm (a GRPO
+    preset's ``group_size = 4`` would make SAO sample groups). The new
+    algorithm's own defaults apply unless this same layer sets them."""
+    new = _algo_name(layer.get("algo"))
+    old = _algo_name(data.get("algo")) or AlgoConfig().preset
+    algo = data.get("algo")
+    if new is not None and new != old and isinstance(algo, Mapping):
+        if dropped is not None:  # (minus what this layer sets anew)
+            mine = layer["algo"] if isinstance(layer["algo"], Mapping) else {}
+            dropped.update({f"algo.{k}": v for k, v in algo.items() if k not in {"preset", *mine}})
+        data = {k: v for k, v in data.items() if k != "algo"}
+    return _merge(data, layer)
+
+
+def dropped_algo_settings(
+    preset: str | None = None, file: str | Path | None = None, overrides: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The ``algo.*`` settings of earlier sources that a later source's switch
+    of algorithm dropped (``sao config`` shows them); empty when none were."""
     data: dict[str, Any] = {}
+    dropped: dict[str, Any] = {}
+    for layer in _layers(preset, file, overrides):
+        data = _layer(data, layer, dropped)
+    return dropped
+
+
+def _layers(
+    preset: str | None, file: str | Path | None, overrides: Sequence[str]
+) -> list[dict[str, Any]]:
+    """The sources in order: the preset, the file, the
+    ``--set`` items (one layer together)."""
+    layers: list[dict[str, Any]] = []
     if file is not None:
         from_file = read_file(file)
         preset = from_file.pop("preset", preset)
@@ -81,19 +120,39 @@ def load_config(
             raise ConfigError(
                 f"config file {str(file)!r}: preset must be a name, one of {', '.join(PRESETS)}"
             )
-        data = _merge(data, from_file)
+        layers.append(_merge({}, from_file))
+    cli: dict[str, Any] = {}
     for item in overrides:
-        data = _merge(data, parse_override(item))
+        cli = _merge(cli, parse_override(item))
+    layers.append(cli)
     name = preset or "calc-tiny"
     if name not in PRESETS:
         raise ConfigError(f"unknown preset {name!r}.{_suggest(name, sorted(PRESETS))}")
     base = PRESETS[name]
-    task = data.get("task")
-    task_name = task.get("name") if isinstance(task, Mapping) else None
+    task_names = [
+        layer["task"].get("name") for layer in layers if isinstance(layer.get("task"), Mapping)
+    ]
+    task_name = next((n for n in reversed(task_names) if n is not None), None)
     if task_name is not None and task_name != base.get("task", {}).get("name", "calculator"):
         # another task: the preset's task options belong to its own task
         base = {k: v for k, v in base.items() if k != "task"}
-    return validate(_merge(base, data))
+    return [_merge({}, base), *layers]
+
+
+def load_config(
+    preset: str | None = None,
+    file: str | Path | None = None,
+    overrides: Sequence[str] = (),
+) -> Config:
+    """Resolve preset -> file -> ``--set`` overrides into a validated :class:`Config`.
+
+    Later sources win key by key, except that a source which switches the
+    algorithm drops the ``algo.*`` settings of the sources before it
+    (:func:`_layer`)."""
+    data: dict[str, Any] = {}
+    for layer in _layers(preset, file, overrides):
+        data = _layer(data, layer)
+    return validate(data)
 
 
 def validate(data: Mapping[str, Any]) -> Config:

@@ -64,7 +64,7 @@ class ModelConfig(_Section):
     @classmethod
     def _device_name(cls, v: str) -> str:
         # Only the spelling here: whether this machine has the device is checked when the
-        # models are loaded (sao.models.device), so configs can be written anywhere.
+        # models are loaded (sao.models.loading), so configs can be written anywhere.
         if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
             raise ValueError(f"{v!r} is not a device; use auto, cpu, cuda or cuda:N")
         return v
@@ -125,6 +125,12 @@ class AlgoConfig(_Section):
     """Override: critic-only warm-up steps before RL."""
     value_clip: float | None = None
     """Override: PPO-style value clipping width of the critic loss."""
+    value_head_init: Literal["random", "zero"] | None = None
+    """Override: the new critic's value head, random or zero (not the paper's)."""
+    critic_train_layers: PositiveInt | None = None
+    """Override: train only the critic's top N layers, final norm and head (not the paper's)."""
+    critic_ready_gain: float | None = None
+    """Override: actor lambda 1 until ``critic/heldout_gain`` reaches this (not the paper's)."""
     lam_actor: float | None = None
     """Override: fixed actor lambda (default: length-adaptive)."""
     lam_alpha: float | None = None
@@ -245,6 +251,11 @@ class TrainConfig(_Section):
     """Critic learning rate (keep it above the actor's, as in the paper)."""
     critic_lr_warmup_steps: NonNegativeInt = 10
     """Linear warm-up of the critic learning rate, in critic optimizer steps."""
+    actor_lr_warmup_steps: NonNegativeInt = 0
+    """Linear warm-up of the actor learning rate, in actor steps (0: none). Adam's first
+    updates move every weight by about the full rate: on a pretrained checkpoint at a rate
+    that learns, the first actor steps moved the policy most (SmolLM2-135M at 2e-5: k3 KL to
+    the rollout policy 0.4-1.5 after the first two steps, ~0.05-0.1 later)."""
     grad_clip: PositiveFloat = 1.0
     """Global gradient-norm clip of actor and critic."""
     token_budget: PositiveInt = 8192

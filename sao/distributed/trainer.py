@@ -173,6 +173,12 @@ class TrainerRank:
             num_episodes=len(trajectories),
         )
 
+    def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
+        """The critic's value after each prompt (a collective forward of the critic)."""
+        from sao.train.critic_fit import prompt_values
+
+        return prompt_values(self.trainer, trajectories)
+
     def export(self, directory: str) -> None:
         """The gathered policy and tokenizer in Hugging Face format (collective)."""
         from sao.train.sharded_checkpoint import save_pretrained_gathered
@@ -373,6 +379,10 @@ class RayTrainerGroup:
         self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None
     ) -> Any:
         return (await self._all("score", trajectories, sampling))[0]
+
+    async def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
+        group = self.critics or self.ranks  # (the critic's own ranks when it has them)
+        return (await self._all("prompt_values", trajectories, group=group))[0]
 
     async def save_models(self, directory: Path) -> None:
         everyone = self.ranks + self.critics  # (each group writes its own part)

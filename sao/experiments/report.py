@@ -30,6 +30,7 @@ import yaml
 from sao.config import validate
 from sao.experiments.grid import Experiment
 from sao.experiments.results import (
+    Paired,
     RunResult,
     Stats,
     aggregate,
@@ -210,6 +211,16 @@ def _comparison(runs: Sequence[RunResult]) -> str:
     """The sentence saying whether arms saw equal trajectories per step and in total."""
     per_step = sorted({r.batch_size for r in runs})
     steps = sorted({r.actor_steps for r in runs})
+    total = sorted({r.trajectories for r in runs})
+    if len(per_step) == 1 and len(steps) > 1 and len(total) == 1:
+        arms = dict(sorted({(r.arm, r.warmup_steps) for r in runs}))
+        counts = ", ".join(f"`{a}` {n}" for a, n in arms.items())
+        return (
+            f"Arms are compared at equal trajectories: {total[0]:,} per run, in batches of "
+            f"{per_step[0]}, critic-only warm-up batches included (warm-up batches: {counts}), "
+            f"so the arms with a warm-up take fewer actor steps ({steps[0]} to {steps[-1]}). "
+            "Curves are drawn against actor steps."
+        )
     if len(per_step) == 1 and len(steps) == 1:
         text = (
             f"Arms are compared at equal trajectories per actor step ({per_step[0]}) and equal "
@@ -245,6 +256,7 @@ def results_md(
     if not runs:
         return "\n".join([*out, "No finished runs yet.", ""])
     out += _arms_table(exp, runs)
+    out += ["", *paired_md(exp, runs)]
     out += ["", *recovery_md(exp, runs)] if exp.marks else []
     out += _overrides_md(exp, overrides)
     out += code_md(runs)
@@ -293,6 +305,38 @@ def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
             f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} "
             f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} |"
         )
+    return out
+
+
+def paired_md(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
+    """The first arm against each other arm, paired by seed: the difference of final
+    and of best held-out success (mean [95% t-interval], the sign test's p) and
+    whether the interval excludes 0."""
+    arms = [a for a in exp.arms if any(r.arm == a for r in runs)]
+    if len(arms) < 2:
+        return []
+    first = arms[0]
+    out = [
+        f"Paired by seed, `{first}` minus each other arm (A = `{first}`): the mean "
+        "difference [95% t-interval over the common seeds], the two-sided sign test's p, "
+        "and the verdict: `A > B` or `A < B` only where the interval excludes 0.",
+        "",
+        "| A - B | seeds | final held-out | p (sign) | verdict | best held-out | p (sign) "
+        "| verdict |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for other in arms[1:]:
+        cells = []
+        for key in ("final_success", "best_success"):
+
+            def values(arm: str, key: str = key) -> dict[int, float]:
+                return {r.seed: getattr(r, key) for r in runs if r.arm == arm}
+
+            pair = Paired.of(values(first), values(other))
+            cells += [pair.stats.cell(), f"{pair.p_sign:.3g}", pair.verdict()]
+        n = len(Paired.of({r.seed: 0.0 for r in runs if r.arm == first},
+                          {r.seed: 0.0 for r in runs if r.arm == other}).seeds)  # fmt: skip
+        out.append(f"| `{first}` - `{other}` | {n} | " + " | ".join(cells) + " |")
     return out
 
 

@@ -4,7 +4,13 @@ models and tokenizers built in code, supervised warm-starting, and the model
 cache. It imports only the types and :mod:`sao.algo`'s tensor checks."""
 
 from sao.models.cache import atomic_dir, build_cached, cached_model_dir, recipe_hash, sao_home
-from sao.models.freeze import FREEZE_GROUPS, FreezeReport, classify_parameter, freeze_attention
+from sao.models.freeze import (
+    FREEZE_GROUPS,
+    FreezeReport,
+    classify_parameter,
+    freeze_attention,
+    freeze_below,
+)
 from sao.models.loading import ModelLoadError, load_config, load_policy, load_tokenizer
 from sao.models.logprobs import (
     backbone_hidden_states,
@@ -52,6 +58,7 @@ __all__ = [
     "classify_parameter",
     "encode_conversation",
     "freeze_attention",
+    "freeze_below",
     "load_config",
     "load_policy",
     "load_tokenizer",

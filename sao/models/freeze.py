@@ -37,7 +37,13 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-__all__ = ["FREEZE_GROUPS", "FreezeReport", "classify_parameter", "freeze_attention"]
+__all__ = [
+    "FREEZE_GROUPS",
+    "FreezeReport",
+    "classify_parameter",
+    "freeze_attention",
+    "freeze_below",
+]
 
 FREEZE_GROUPS: tuple[str, ...] = (
     "attention",
@@ -165,4 +171,42 @@ def freeze_attention(model: nn.Module) -> FreezeReport:
             frozen_names.append(name)
         counts = frozen if not param.requires_grad else trainable
         counts[group] += param.numel()
+    return FreezeReport(frozen=frozen, trainable=trainable, frozen_names=tuple(frozen_names))
+
+
+def _layer_stack(model: nn.Module) -> tuple[str, int]:
+    """The path and length of ``model``'s decoder layer stack (its first non-empty
+    ``ModuleList``)."""
+    for path, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            return path, len(module)
+    raise ValueError(
+        f"no layer stack (an nn.ModuleList of decoder layers) in {type(model).__name__}; "
+        f"{_layout(model)}"
+    )
+
+
+def freeze_below(model: nn.Module, top_layers: int) -> FreezeReport:
+    """Freeze every parameter of ``model`` except those of its top ``top_layers``
+    decoder layers, its final norm and its head (a cheaper critic: the backward
+    stops at the lowest trained layer). Layers' own freezing (attention, see
+    :func:`freeze_attention`) is left as it is. Idempotent; call it before the
+    optimizer is built. A ``top_layers`` above the model's layer count is a
+    ``ValueError`` naming the count."""
+    path, n = _layer_stack(model)
+    if not 1 <= top_layers <= n:
+        raise ValueError(f"top_layers must be in [1, {n}] ({type(model).__name__} has {n} layers)")
+    module_names = frozenset(name for name, _ in model.named_modules())
+    kept = tuple(f"{path}.{i}." for i in range(n - top_layers, n))
+    frozen = dict.fromkeys(FREEZE_GROUPS, 0)
+    trainable = dict.fromkeys(FREEZE_GROUPS, 0)
+    frozen_names = []
+    for name, param in model.named_parameters():
+        group = classify_parameter(name, module_names)
+        top = name.startswith(kept) or group in ("final_norm", "head")
+        if not top:
+            param.requires_grad_(False)
+        if not param.requires_grad:
+            frozen_names.append(name)
+        (trainable if param.requires_grad else frozen)[group] += param.numel()
     return FreezeReport(frozen=frozen, trainable=trainable, frozen_names=tuple(frozen_names))

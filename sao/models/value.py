@@ -19,7 +19,7 @@ import copy
 import json
 import os
 from pathlib import Path
-from typing import cast
+from typing import Literal, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -72,12 +72,14 @@ class ValueModel(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
         seed: int = 0,
+        head_init: Literal["random", "zero"] = "random",
     ) -> ValueModel:
         """A critic initialised from a policy: a directory or a loaded model.
 
         A passed model is deep-copied (the critic never shares weights with
         the policy); ``dtype`` and ``device`` apply to a directory. The head
-        init is deterministic for ``seed`` (module docstring).
+        init is deterministic for ``seed`` (module docstring); ``head_init="zero"``
+        zeroes its weight too, so every value starts at 0.
         """
         if isinstance(policy, PreTrainedModel):
             backbone = cast(PreTrainedModel, copy.deepcopy(policy.base_model))
@@ -91,7 +93,11 @@ class ValueModel(nn.Module):
             )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return cls(backbone)
+            critic = cls(backbone)
+        if head_init == "zero":
+            with torch.no_grad():
+                critic.value_head.weight.zero_()
+        return critic
 
     def forward(
         self, tokens_BT: torch.Tensor, attention_mask_BT: torch.Tensor, *, packed: bool = False

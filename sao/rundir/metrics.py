@@ -25,6 +25,8 @@ PLOTS: dict[str, str] = {
     "staleness/mean": "staleness.png",
     "dis/masked_frac": "masked_frac.png",
     "critic/explained_variance": "explained_variance.png",
+    "eval/critic_auc": "critic_auc.png",
+    "critic/heldout_gain": "critic_heldout_gain.png",
 }
 
 HEADLINE: tuple[tuple[str, str], ...] = (
@@ -347,6 +349,10 @@ def summarize(history: list[dict[str, float]]) -> dict[str, float]:
     for key in ("dropped/stale", "episodes/env_error", "idle/trainer_frac", "idle/rollout_frac"):
         if key in last:
             out[key] = last[key]
+    for key in ("eval/critic_ev", "eval/critic_auc"):  # the critic on held-out prompts
+        seen = [r[key] for r in history if key in r and math.isfinite(r[key])]
+        if seen:
+            out[f"{key}_first"], out[f"{key}_last"] = seen[0], seen[-1]
     return out
 
 

@@ -35,6 +35,10 @@ class TrainerHandle(Protocol):
         self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None
     ) -> LogprobReport: ...
 
+    async def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
+        """The critic's value after each trajectory's prompt (NaN without a critic)."""
+        ...
+
     async def save_models(self, directory: Path) -> None:
         """Write ``policy/`` and ``critic/`` (Hugging Face) and the optimizer
         state into a checkpoint directory being built."""
@@ -89,6 +93,11 @@ class LocalTrainer:
         return score_trajectories(
             self.p.policy, self.p.tokenizer, trajectories, sampling, engine=engine
         )
+
+    async def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
+        from sao.train.critic_fit import prompt_values
+
+        return await asyncio.to_thread(prompt_values, self.trainer, trajectories)
 
     async def save_models(self, directory: Path) -> None:
         def write() -> None:

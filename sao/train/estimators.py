@@ -123,6 +123,24 @@ def critic_returns(
     return ret, critic_mask
 
 
+def gae_gap(algo: AlgoPreset, batch: Batch, values_BT: torch.Tensor) -> Stats:
+    """How far the paper's length-adaptive token GAE moves the actor's advantages
+    away from Monte-Carlo ones (lambda 1, ``R - V(s_t)``), on this batch's action
+    tokens: ``critic/gae_gap_rms`` = RMS(A_adaptive - A_mc) against
+    ``critic/mc_adv_rms`` = RMS(A_mc). Whatever lambda the actor uses, this is what
+    the critic's token-to-token differences would add: with a critic that knows
+    little, mostly noise (a gap as large as the Monte-Carlo advantages themselves
+    swamps their signal). Empty for estimators other than token GAE."""
+    mask = batch.action_mask_BT
+    if algo.advantage != "gae" or not bool(mask.any()):
+        return {}
+    lam = length_adaptive_lambda(mask, alpha=algo.lam_alpha)
+    adaptive = _critic_gae(algo, batch, values_BT, lam)[0]
+    mc = _critic_gae(algo, batch, values_BT, 1.0)[0]
+    gap = masked_mean((adaptive - mc) ** 2, mask).sqrt()
+    return {"critic/gae_gap_rms": gap, "critic/mc_adv_rms": masked_mean(mc**2, mask).sqrt()}
+
+
 def critic_mask(algo: AlgoPreset, batch: Batch) -> torch.Tensor:
     """Where :func:`critic_returns` trains the critic ``[B, T]``, before any value
     exists: the action tokens, or each turn's last one for ``step_last_token``."""

@@ -59,7 +59,8 @@ def critic_targets(
     if trainer.algo.advantages_after_critic_update and train_actor:
         pending.stats = _update(trainer, pending)
         pending.updated = True
-        pending.targets = targets = trainer.targets(batch, trainer.values(batch), None)
+        values = trainer.values(batch)
+        pending.targets = targets = trainer.targets(batch, values, None, before_update=False)
         if targets is None:
             return None, pending
     return targets.advantages_BT.detach().cpu(), pending

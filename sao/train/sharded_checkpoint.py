@@ -130,6 +130,9 @@ def _state(trainer: Trainer, part: str) -> StateDict:
         mean = trainer.running_mean
         extra = {
             "actor_groups": _hyper(optim),
+            "actor_sched": None
+            if trainer.actor_sched is None
+            else trainer.actor_sched.state_dict(),
             "running_mean": None if mean is None else mean.state_dict(),
             "skipped_steps": trainer.skipped_steps,
         }
@@ -145,6 +148,7 @@ def _state(trainer: Trainer, part: str) -> StateDict:
     extra = {
         "critic_groups": _hyper(trainer.critic_optim),
         "critic_sched": None if sched is None else sched.state_dict(),
+        "critic_fit": trainer.fit.state_dict(),
         "skipped_steps": trainer.skipped_steps,
     }
     return {
@@ -213,8 +217,12 @@ def _restore_extra(trainer: Trainer, extra: StateDict) -> None:
                 g.update({k: tuple(v) if k == "betas" else v for k, v in saved.items()})
     if trainer.critic_sched is not None and extra.get("critic_sched") is not None:
         trainer.critic_sched.load_state_dict(extra["critic_sched"])
+    if trainer.actor_sched is not None and extra.get("actor_sched") is not None:
+        trainer.actor_sched.load_state_dict(extra["actor_sched"])
     if trainer.running_mean is not None and extra.get("running_mean") is not None:
         trainer.running_mean.load_state_dict(extra["running_mean"])
+    if extra.get("critic_fit") is not None:  # (the critic's side; older checkpoints: none)
+        trainer.fit.load_state_dict(extra["critic_fit"])
     trainer.skipped_steps = max(trainer.skipped_steps, int(extra["skipped_steps"]))
 
 

@@ -31,6 +31,7 @@ from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
 from sao.algo.losses import value_loss
 from sao.algo.presets import AlgoPreset
 from sao.models.value import ValueModel
+from sao.train.critic_fit import CriticFit, first_action_values
 from sao.train.estimators import (
     CRITIC_ADVANTAGES,
     Stats,
@@ -38,6 +39,7 @@ from sao.train.estimators import (
     compute_targets,
     critic_mask,
     critic_returns,
+    gae_gap,
     needs_old_logp,
     policy_loss,
 )
@@ -55,6 +57,7 @@ class OptimSettings:
     actor_lr: float = 2e-4
     critic_lr: float = 1e-3
     critic_lr_warmup_steps: int = 10
+    actor_lr_warmup_steps: int = 0
     grad_clip: float = 1.0
     token_budget: int = 8192
     max_bad_steps: int = 3
@@ -103,11 +106,13 @@ class Trainer:
         self.actor_weights: MasterWeights | None = None
         self.actor_optim: torch.optim.Optimizer | None = None
         self._logprobs: PolicyLogprobs | None = None  # the actor (FSDP2 shards it in place)
+        self.actor_sched: torch.optim.lr_scheduler.LRScheduler | None = None
         if policy is not None:
             self._logprobs = PolicyLogprobs(policy, settings.temperature, self.packing)
             self.actor = self.ranks.shard(self._logprobs)
             self.actor_weights = MasterWeights(policy.parameters())
             self.actor_optim = adamw(self.actor_weights.params, settings.actor_lr)
+            self.actor_sched = _warmup(self.actor_optim, settings.actor_lr_warmup_steps)
         if critic is not None:
             self.ranks.shard(critic)
         self.critic_weights: MasterWeights | None = None
@@ -116,15 +121,15 @@ class Trainer:
         if critic is not None:
             self.critic_weights = MasterWeights(p for p in critic.parameters() if p.requires_grad)
             self.critic_optim = adamw(self.critic_weights.params, settings.critic_lr)
-            warm = max(settings.critic_lr_warmup_steps, 1)
-            self.critic_sched = torch.optim.lr_scheduler.LambdaLR(
-                self.critic_optim, lambda s: min(1.0, (s + 1) / warm)
-            )
+            self.critic_sched = _warmup(self.critic_optim, settings.critic_lr_warmup_steps)
         self.running_mean = (
             RunningMeanBaseline(algo.running_mean_window, algo.running_mean_per_prompt)
             if algo.advantage == "running_mean"
             else None
         )
+        self.fit = CriticFit()  # the critic's out-of-sample predictions (critic/heldout_*)
+        self.lambda_1 = False  # this step's actor advantages used lambda 1 (not ready)
+        self.gap: Stats = {}  # this step's critic/gae_gap_rms, critic/mc_adv_rms
         self.bad_steps = 0  # consecutive steps with a NaN/inf value
         self.skipped_steps = 0  # all of them
         self.skipped = {"actor": 0, "critic": 0}  # per model: steps it was bad in
@@ -144,7 +149,7 @@ class Trainer:
             if targets is not None:
                 stats |= self.update_critic(batch, targets, values_BT, first_done=True)
                 if self.algo.advantages_after_critic_update and train_actor:
-                    targets = self.targets(batch, self.values(batch), None)
+                    targets = self.targets(batch, self.values(batch), None, before_update=False)
         else:
             targets = self.targets(batch, self.values(batch), self.running_mean)
         if train_actor and targets is not None:
@@ -178,15 +183,35 @@ class Trainer:
         batch: Batch,
         values_BT: torch.Tensor | None,
         running_mean: RunningMeanBaseline | None,
+        *,
+        before_update: bool = True,
     ) -> Targets | None:
         """Advantages and critic targets; None when the critic's values are NaN/inf
         on an action token: nothing can be trained on this batch, so the step is bad
         (counted against the critic) and both updates are skipped. The values are the
-        whole batch's, so every rank agrees."""
+        whole batch's, so every rank agrees. Values from ``before_update`` the critic
+        saw this batch are out-of-sample predictions: they go into :attr:`fit`, and
+        until the critic is ready (``algo.critic_ready_gain``) the actor's lambda is 1."""
         if values_BT is not None and nonfinite(batch.action_mask_BT, values_BT=values_BT):
             self._bad["critic"] = "values (nothing was trained this step)"
             return None
-        return compute_targets(self.algo, batch, values_BT, running_mean)
+        algo = self.actor_algo()
+        self.lambda_1 = algo is not self.algo  # (logged: critic/actor_lambda_1)
+        targets = compute_targets(algo, batch, values_BT, running_mean)
+        if before_update and values_BT is not None and targets.returns_BT is not None:
+            self.fit.record(
+                *first_action_values(values_BT, targets.returns_BT, batch.action_mask_BT)
+            )
+            self.gap = gae_gap(self.algo, batch, values_BT)
+        return targets
+
+    def actor_algo(self) -> AlgoPreset:
+        """The preset the advantages use: lambda 1 for the actor while the critic
+        is not yet ready (``algo.critic_ready_gain``), else the preset as is."""
+        gain = self.algo.critic_ready_gain
+        if gain is None or self.fit.ready(gain):
+            return self.algo
+        return self.algo.with_(lam_actor=1.0)
 
     @torch.no_grad()
     def values(self, batch: Batch) -> torch.Tensor | None:
@@ -307,7 +332,9 @@ class Trainer:
             loss, _ = policy_loss(self.algo, logp, *args, denom)
             guard.loss(loss)
             loss.backward()
-        norm, _ = self._apply("actor", weights, optim, guard)
+        norm, applied = self._apply("actor", weights, optim, guard)
+        if applied and self.actor_sched is not None:  # warm-up counts applied steps
+            self.actor_sched.step()
         logp_BT = self.ranks.sum_rows(logp_BT)
         old = logp_BT if with_old else None
         stats: Stats = {"actor/grad_norm": norm}
@@ -424,6 +451,10 @@ class Trainer:
         }
         if targets is not None:  # (None: a bad step without advantages)
             stats["train/advantage_mean"] = (targets.advantages_BT * mask).sum() / n
+        if self.critic is not None and self.algo.advantage in CRITIC_ADVANTAGES:
+            fit = {k: torch.tensor(v, device=self.device) for k, v in self.fit.stats().items()}
+            mc = torch.tensor(float(self.lambda_1), device=self.device)
+            stats |= fit | self.gap | {"critic/actor_lambda_1": mc}
         return stats
 
     def state_dict(self) -> dict[str, object]:
@@ -435,7 +466,9 @@ class Trainer:
             "actor_optim": None if self.actor_optim is None else self.actor_optim.state_dict(),
             "critic_optim": None if self.critic_optim is None else self.critic_optim.state_dict(),
             "critic_sched": None if self.critic_sched is None else self.critic_sched.state_dict(),
+            "actor_sched": None if self.actor_sched is None else self.actor_sched.state_dict(),
             "running_mean": None if self.running_mean is None else self.running_mean.state_dict(),
+            "critic_fit": self.fit.state_dict(),
             "skipped_steps": self.skipped_steps,
             "skipped_per_model": dict(self.skipped),
         }
@@ -453,10 +486,23 @@ class Trainer:
             self.critic_optim.load_state_dict(state["critic_optim"])  # type: ignore[arg-type]
         if self.critic_sched is not None and state.get("critic_sched") is not None:
             self.critic_sched.load_state_dict(state["critic_sched"])  # type: ignore[arg-type]
+        if self.actor_sched is not None and state.get("actor_sched") is not None:
+            self.actor_sched.load_state_dict(state["actor_sched"])  # type: ignore[arg-type]
         if self.running_mean is not None and state.get("running_mean") is not None:
             self.running_mean.load_state_dict(state["running_mean"])  # type: ignore[arg-type]
+        if state.get("critic_fit") is not None:  # (absent from older checkpoints)
+            self.fit.load_state_dict(state["critic_fit"])  # type: ignore[arg-type]
         self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
         self.skipped |= state.get("skipped_per_model") or {}  # type: ignore[call-overload]
+
+
+def _warmup(optim: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear learning-rate warm-up over ``steps`` applied updates (0 or 1: none):
+    update ``s`` (from 0) runs at ``min(1, (s + 1) / steps)`` of the rate. Adam's
+    first updates move every weight by about the full rate whatever its gradient
+    (its moment estimates hold one or two gradients), so a warm-up keeps them small."""
+    warm = max(steps, 1)
+    return torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warm))
 
 
 def _zero_loss(out: torch.Tensor) -> torch.Tensor:

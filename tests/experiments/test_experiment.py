@@ -71,6 +71,27 @@ def test_mean_std_and_95_interval_by_hand() -> None:
     assert one.cell() == "0.700 (one seed)" and Stats.of([]).cell() == "n/a"
 
 
+def test_sign_test_and_paired_differences_by_hand() -> None:
+    from sao.experiments.results import Paired, sign_test
+
+    # 3 of 3 positive: P(X <= 0) = 1/8, two-sided 2/8
+    assert sign_test([0.1, 0.2, 0.05]) == 0.25
+    # 5 of 6 positive, a zero dropped: P(X <= 1) = (1 + 6) / 64, two-sided 14/64
+    assert sign_test([1, 1, 1, 1, 1, -1, 0]) == pytest.approx(14 / 64)
+    assert sign_test([0.0, 0.0]) == 1.0 and sign_test([]) == 1.0
+    # seeds 0, 1, 2 in common (seed 3 only in A, seed 4 NaN in B): diffs 0.1, 0.2, 0.3,
+    # mean 0.2, std 0.1, half-width 4.3027 * 0.1 / sqrt(3) = 0.2484: [-0.048, 0.448]
+    a = {0: 0.5, 1: 0.6, 2: 0.7, 3: 0.9, 4: 0.1}
+    b = {0: 0.4, 1: 0.4, 2: 0.4, 4: math.nan}
+    pair = Paired.of(a, b)
+    assert pair.seeds == (0, 1, 2) and pair.diffs == pytest.approx((0.1, 0.2, 0.3))
+    assert pair.stats.low == pytest.approx(0.2 - 0.24841, abs=1e-4)
+    assert pair.verdict() == "not separated at 3 seeds" and pair.p_sign == 0.25
+    assert Paired.of({0: 0.5, 1: 0.6, 2: 0.55}, {0: 0.3, 1: 0.35, 2: 0.3}).verdict() == "A > B"
+    assert Paired.of({0: 0.1, 1: 0.1}, {0: 0.3, 1: 0.32}).verdict() == "A < B"
+    assert Paired.of({0: 0.1}, {0: 0.3}).verdict() == "one seed"
+
+
 def test_t_critical_values() -> None:
     assert t_critical(1) == 12.7062 and t_critical(30) == 2.0423
     assert t_critical(40) == pytest.approx(2.0211, abs=1e-3)  # tables: 2.0211
@@ -105,7 +126,7 @@ def test_named_experiments_resolve_at_equal_trajectories(tmp_path: Path) -> None
         runs = plan(exp, tmp_path / exp.name, seeds=3)
         assert len(runs) == 3 * len(exp.arms)
         assert exp.claim and exp.cost
-    assert runs[-1].run_dir == (tmp_path / "stability/runs/vapo/seed-2").resolve()
+    assert runs[-1].run_dir == (tmp_path / "smollm2/runs/running_mean/seed-2").resolve()
     assert EXPERIMENTS["gae"].preset == "calc-tiny"  # multi-turn, and RL helps there
 
 
@@ -137,8 +158,21 @@ def test_override_conflicting_with_an_arm_names_both(tmp_path: Path) -> None:
 
 def test_arms_must_compare_at_equal_trajectories(tmp_path: Path) -> None:
     exp = Experiment("x", "c", "calc-tiny", {"a": ("train.steps=5",), "b": ()})
-    with pytest.raises(ConfigError, match="equal trajectories per step and equal actor steps"):
+    with pytest.raises(ConfigError, match="equal trajectories per step, and equal actor steps"):
         plan(exp, tmp_path, seeds=1)
+    # SAO's 10 warm-up batches on top of equal actor steps (table1), or inside equal
+    # batches in all (8 + 2 = 10 batches against GRPO's 10): both compare
+    base = ("train.steps=10",)
+    on_top = Experiment("y", "c", "calc-tiny", {"sao": ("algo=sao",), "grpo": ("algo=grpo",)}, base)
+    assert len(plan(on_top, tmp_path, seeds=1)) == 2
+    inside = {
+        "sao": ("algo=sao", "train.steps=8", "algo.critic_pretrain_steps=2"),
+        "grpo": ("algo=grpo",),
+    }
+    assert len(plan(Experiment("z", "c", "calc-tiny", inside, base), tmp_path, seeds=1)) == 2
+    unequal = {"sao": ("algo=sao", "train.steps=8"), "grpo": ("algo=grpo",)}  # 8 + 10 vs 10
+    with pytest.raises(ConfigError, match=r"sao: 32 x 8 \(\+10\)"):
+        plan(Experiment("w", "c", "calc-tiny", unequal, base), tmp_path, seeds=1)
 
 
 def test_a_directory_holds_one_experiment(tmp_path: Path) -> None:
@@ -259,6 +293,7 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
     md = (out / "results.md").read_text()
     assert "equal trajectories per actor step (4) and equal actor steps (2)" in md
     assert "| `sao` | 2 |" in md and "| `grpo` | 2 |" in md
+    assert "| `sao` - `grpo` | 2 |" in md  # the paired differences
     assert f"Code: every run ran `{code_version()}`." in md
 
     def report() -> dict[str, bytes]:

@@ -33,8 +33,8 @@ from torch.utils._pytree import tree_leaves
 
 from sao.algo.presets import PRESETS, AlgoPreset
 from sao.config import ConfigError, validate
-from sao.models.device import DeviceError, resolve_device, resolve_dtype
 from sao.models.freeze import freeze_attention
+from sao.models.loading import DeviceError, resolve_device, resolve_dtype
 from sao.models.logprobs import sequence_logprobs
 from sao.models.tiny import build_tiny_policy
 from sao.models.value import ValueModel

@@ -71,10 +71,18 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+RANKS = ("critic/heldout_auc",)
+"""Rank statistics: a value that differs in its last bits across ranks can swap two
+episodes' order, so one pair of 128 flips (1/110 apart seen); compared loosely."""
+
+
 def assert_stats_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         x, y = float(a[k]), float(b[k])
+        if k in RANKS:
+            assert abs(x - y) <= 0.05, (k, x, y)
+            continue
         if math.isnan(x) or math.isnan(y):
             assert math.isnan(x) and math.isnan(y), k
         else:

@@ -54,7 +54,7 @@ def separate_values_step(trainer: Trainer, trajs: list[Trajectory]) -> Stats:
     assert targets is not None
     stats = trainer.update_critic(batch, targets, values_BT)
     if trainer.algo.advantages_after_critic_update:
-        targets = trainer.targets(batch, trainer.values(batch), None)
+        targets = trainer.targets(batch, trainer.values(batch), None, before_update=False)
         assert targets is not None
     stats |= trainer.update_actor(batch, targets.advantages_BT)
     trainer.end_step()

@@ -134,6 +134,37 @@ def test_shots_come_first_as_answered_chat_turns_from_the_train_split() -> None:
         )
 
 
+ONE_DIGIT = {
+    "min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1,
+    "operators": ["+", "-"], "allow_parentheses": False, "allow_negation": False,
+}  # fmt: skip
+
+
+def test_shots_seed_fixes_the_shots_whatever_the_runs_seed() -> None:
+    def task(seed: int, shots_seed: int | None) -> ReasoningGymTask:
+        return ReasoningGymTask(
+            config=ONE_DIGIT, seed=seed, eval_size=100, train_size=500, shots=3,
+            scorer="math", shots_seed=shots_seed,
+        )  # fmt: skip
+
+    fixed = [task(seed, 0) for seed in (0, 1, 2, 11)]
+    shots = {tuple((e["question"], r) for e, r in t.shots) for t in fixed}
+    assert len(shots) == 1  # one set of shots for every seed
+    # ... and with the run's seed they differ (seed 11's held `3 - 4` -> `answer -1`)
+    assert len({tuple(e["question"] for e, _ in task(s, None).shots) for s in (0, 1, 11)}) == 3
+    for t in fixed:  # never a held-out question, and still eval_size held-out entries
+        asked = {e["question"] for e, _ in t.shots}
+        held_out = [t.entry("eval", i)["question"] for i in range(t.eval_size)]
+        assert t.eval_size == 100 and not asked & set(held_out)
+        assert t.make_env("eval", 99).first_messages()[1].content == t.shots[0][1]
+        with pytest.raises(IndexError):
+            t.entry("eval", 100)
+    # seed 0's shots are its own train split's first ones: seed 0 is unchanged
+    plain = task(0, None)
+    assert [e["question"] for e, _ in plain.shots] == [e["question"] for e, _ in fixed[0].shots]
+    assert all(plain.entry("eval", i) == fixed[0].entry("eval", i) for i in range(100))
+
+
 def test_the_math_scorer_gives_no_partial_credit_and_wants_a_value() -> None:
     task = ReasoningGymTask("basic_arithmetic", seed=1, eval_size=5, train_size=50)
     strict = ReasoningGymTask("basic_arithmetic", seed=1, eval_size=5, train_size=50, scorer="math")

@@ -1,0 +1,166 @@
+"""How well the critic predicts returns it has not been trained on.
+
+Each batch's values come from the critic *before* it trains on that batch,
+so its value at an episode's first action token (the state after the prompt)
+is an out-of-sample prediction of the episode's return. Pooled over the last
+``window`` episodes this is a held-out reading at no extra forward, far less
+noisy than one batch's ``critic/explained_variance`` (at batch 16 a critic
+that knows the prompt classes exactly reads anywhere in -0.06..0.25 on
+SmolLM2 arithmetic; BENCHMARKS.md).
+
+The trivial baseline it is judged against is the running mean of all returns
+recorded before the episode's batch, also out of sample:
+
+    heldout_gain = 1 - sum (R - V)^2 / sum (R - mean_before)^2
+
+> 0: the critic beats the running mean (a constant baseline learned online);
+<= 0: its baseline is no better than that, and its token-to-token differences
+are noise in GAE's advantages. ``critic/heldout_ev`` is the explained
+variance ``1 - Var(R - V) / Var(R)`` of the same pairs (blind to a constant
+offset), ``critic/heldout_auc`` how well V ranks successes (R > 0.5) above
+failures.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from sao.algo.stats import binary_auc, explained_variance_n
+from sao.types import Batch, Trajectory, collate
+
+
+class _Critic(Protocol):
+    """What :func:`prompt_values` needs of a :class:`~sao.train.trainer.Trainer`."""
+
+    @property
+    def critic(self) -> object | None: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def values(self, batch: Batch) -> torch.Tensor | None: ...
+
+
+__all__ = ["CriticFit", "first_action_values", "heldout_fit", "prompt_values"]
+
+
+def first_action_values(
+    values_BT: torch.Tensor, returns_BT: torch.Tensor, action_mask_BT: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The value and the return at each row's first action token (``[B]`` each;
+    rows without an action token are left out)."""
+    has_B = action_mask_BT.any(dim=1)
+    first_B = action_mask_BT.float().argmax(dim=1)  # first True (argmax takes the first max)
+    rows = torch.arange(values_BT.shape[0], device=values_BT.device)[has_B]
+    first = first_B[has_B]
+    return values_BT[rows, first].detach().float(), returns_BT[rows, first].detach().float()
+
+
+class CriticFit:
+    """A window of out-of-sample (value, return, running-mean) triples."""
+
+    def __init__(self, window: int = 128) -> None:
+        if window < 2:
+            raise ValueError(f"window must be >= 2, got {window}")
+        self.pairs: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self.total = 0.0  # of every return recorded (the running mean's numerator)
+        self.count = 0
+
+    def record(self, values_B: torch.Tensor, returns_B: torch.Tensor) -> None:
+        """Add one batch's predictions (made before the critic trained on it)."""
+        mean_before = self.total / self.count if self.count else math.nan
+        for v, r in zip(values_B.tolist(), returns_B.tolist(), strict=True):
+            if math.isfinite(v) and math.isfinite(r):
+                self.pairs.append((v, r, mean_before))
+                self.total += r
+                self.count += 1
+
+    @property
+    def full(self) -> bool:
+        """Whether the window holds ``window`` episodes."""
+        return len(self.pairs) == self.pairs.maxlen
+
+    def gain(self) -> float:
+        """``1 - MSE(critic) / MSE(running mean)`` over the window (NaN until a
+        running mean existed for two episodes, or when every return equals it)."""
+        scored = [(v, r, m) for v, r, m in self.pairs if math.isfinite(m)]
+        if len(scored) < 2:
+            return math.nan
+        err = sum((r - v) ** 2 for v, r, _ in scored)
+        base = sum((r - m) ** 2 for _, r, m in scored)
+        return 1.0 - err / base if base > 0 else math.nan
+
+    def ready(self, threshold: float) -> bool:
+        """The window is full and the gain is at least ``threshold``."""
+        g = self.gain()
+        return self.full and math.isfinite(g) and g >= threshold
+
+    def stats(self) -> dict[str, float]:
+        """``critic/heldout_{gain,ev,auc}`` over the window (module docstring); one
+        that is undefined yet (no running mean, all returns equal, one outcome
+        only) is left out, so a plot shows a gap."""
+        if not self.pairs:
+            return {}
+        v = torch.tensor([p[0] for p in self.pairs], dtype=torch.float64, device="cpu")
+        r = torch.tensor([p[1] for p in self.pairs], dtype=torch.float64, device="cpu")
+        stats = {
+            "critic/heldout_gain": self.gain(),
+            "critic/heldout_ev": float(explained_variance_n(v, r)),
+            "critic/heldout_auc": float(binary_auc(v, r > 0.5)),
+        }
+        return {k: x for k, x in stats.items() if math.isfinite(x)}  # (undefined: left out)
+
+    def state_dict(self) -> dict[str, object]:
+        """The window and the running mean, for checkpoints."""
+        return {"pairs": list(self.pairs), "total": self.total, "count": self.count}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        self.pairs.clear()
+        self.pairs.extend(tuple(p) for p in state["pairs"])  # type: ignore[attr-defined]
+        self.total = float(state["total"])  # type: ignore[arg-type]
+        self.count = int(state["count"])  # type: ignore[call-overload]
+
+
+def prompt_values(trainer: _Critic, trajectories: Sequence[Trajectory]) -> list[float]:
+    """The critic's value at each trajectory's first action token (the state
+    after its prompt), in order; NaN for one without an action token (a failed
+    episode) and for all of them when the trainer has no critic. One forward of
+    the critic, no gradient (on every rank of a sharded critic: a collective)."""
+    out = [math.nan] * len(trajectories)
+    rows = [i for i, t in enumerate(trajectories) if t.num_action_tokens > 0]
+    if trainer.critic is None or not rows:
+        return out
+    batch = collate([trajectories[i] for i in rows]).to(trainer.device)
+    values_BT = trainer.values(batch)
+    assert values_BT is not None
+    mask = batch.action_mask_BT
+    first_B = mask.float().argmax(dim=1)
+    v_B = values_BT[torch.arange(len(rows), device=values_BT.device), first_B]
+    for i, v in zip(rows, v_B.tolist(), strict=True):
+        out[i] = v
+    return out
+
+
+def heldout_fit(values: Sequence[float], rewards: Sequence[float]) -> dict[str, float]:
+    """``eval/critic_ev`` (explained variance) and ``eval/critic_auc`` (how well
+    the values rank successes, reward > 0.5, above failures) of the critic's
+    values at the prompts of held-out episodes against their rewards (pairs
+    with a NaN value are left out). Held-out episodes are greedy while the
+    critic learns the sampling policy's returns: the AUC, which ignores the
+    scale, is the steadier of the two."""
+    pairs = [(v, r) for v, r in zip(values, rewards, strict=True) if math.isfinite(v)]
+    if len(pairs) < 2:
+        return {}
+    v = torch.tensor([p[0] for p in pairs], dtype=torch.float64, device="cpu")
+    r = torch.tensor([p[1] for p in pairs], dtype=torch.float64, device="cpu")
+    stats = {
+        "eval/critic_ev": float(explained_variance_n(v, r)),
+        "eval/critic_auc": float(binary_auc(v, r > 0.5)),
+    }
+    return {k: x for k, x in stats.items() if math.isfinite(x)}

@@ -1,0 +1,184 @@
+"""The critic judged on what it has not seen: the out-of-sample window
+(``critic/heldout_*``), the held-out evaluation's ``eval/critic_*``, the
+lambda-1 gate (``algo.critic_ready_gain``), a zero value head and a critic
+trained in its top layers only."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sao.algo import binary_auc, explained_variance_n
+from sao.algo.presets import PRESETS
+from sao.models import classify_parameter, freeze_attention, freeze_below
+from sao.models.tiny import build_tiny_policy
+from sao.models.value import ValueModel
+from sao.train.critic_fit import CriticFit, first_action_values, heldout_fit, prompt_values
+from sao.train.trainer import OptimSettings, Trainer
+from tests.models.conftest import make_arch_model
+from tests.train.test_presets_step import TOK
+from tests.train.test_shared_values import episode
+
+
+def test_auc_worked_by_hand() -> None:
+    # positives score 0.35 and 0.8, negatives 0.1 and 0.4: pairs (0.35>0.1) (0.35<0.4)
+    # (0.8>0.1) (0.8>0.4) -> 3 of 4 ordered right
+    s = torch.tensor([0.1, 0.4, 0.35, 0.8])
+    y = torch.tensor([False, False, True, True])
+    assert binary_auc(s, y).item() == pytest.approx(0.75)
+    # a tie counts one half: positive 0.5 vs negatives 0.5 and 0.2 -> (0.5 + 1) / 2
+    assert binary_auc(torch.tensor([0.5, 0.5, 0.2]), torch.tensor([1, 0, 0])).item() == 0.75
+    assert math.isnan(binary_auc(torch.tensor([0.1, 0.2]), torch.tensor([1, 1])).item())
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.lists(st.tuples(st.floats(-5, 5), st.booleans()), min_size=2, max_size=30))
+def test_auc_is_one_minus_the_auc_of_the_negated_scores(pairs: list[tuple[float, bool]]) -> None:
+    s = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+    y = torch.tensor([p[1] for p in pairs])
+    a, b = binary_auc(s, y), binary_auc(-s, y)
+    if y.all() or not y.any():
+        assert a.isnan() and b.isnan()
+    else:
+        assert 0.0 <= a.item() <= 1.0
+        assert (a + b).item() == pytest.approx(1.0)
+
+
+def test_explained_variance_of_flat_vectors() -> None:
+    # R = (0, 1, 1, 0): Var 0.25; V = (0, 1, 0.5, 0.5): R - V = (0, 0, 0.5, -0.5), Var 0.125
+    r = torch.tensor([0.0, 1.0, 1.0, 0.0])
+    v = torch.tensor([0.0, 1.0, 0.5, 0.5])
+    assert explained_variance_n(v, r).item() == pytest.approx(0.5)
+    assert math.isnan(explained_variance_n(v, torch.ones(4)).item())
+
+
+def test_window_gain_worked_by_hand() -> None:
+    fit = CriticFit(window=4)
+    # first batch: no running mean before it, so it is not scored for the gain
+    fit.record(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0]))
+    assert math.isnan(fit.gain()) and "critic/heldout_gain" not in fit.stats()
+    # second batch: the running mean before it is 0.5; the critic says 0.9 and 0.1
+    fit.record(torch.tensor([0.9, 0.1]), torch.tensor([1.0, 0.0]))
+    # scored: (0.9, 1, 0.5), (0.1, 0, 0.5): critic SSE 0.01 + 0.01 = 0.02, mean's 0.5
+    assert fit.gain() == pytest.approx(1 - 0.02 / 0.5)
+    assert fit.full and fit.ready(0.9) and not fit.ready(0.97)
+    stats = fit.stats()
+    # EV over the four pairs: R - V = (0.5, -0.5, 0.1, -0.1), Var 0.13; Var R 0.25
+    assert stats["critic/heldout_ev"] == pytest.approx(1 - 0.13 / 0.25)
+    # ranks: positives (0.5, 0.9) vs negatives (0.5, 0.1): 1/2 + 1 + 1 + 1 of 4
+    assert stats["critic/heldout_auc"] == pytest.approx(3.5 / 4)
+    # the window forgets the oldest: a third batch leaves only the last four
+    fit.record(torch.tensor([0.0, 0.0]), torch.tensor([1.0, 1.0]))
+    assert len(fit.pairs) == 4 and fit.pairs[0] == pytest.approx((0.9, 1.0, 0.5))
+    again = CriticFit(window=4)
+    again.load_state_dict(fit.state_dict())
+    assert again.stats() == fit.stats() and again.count == 6
+
+
+def test_not_ready_until_the_window_is_full() -> None:
+    fit = CriticFit(window=8)
+    fit.record(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))
+    fit.record(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]))
+    assert fit.gain() == pytest.approx(1.0) and not fit.ready(0.0)
+
+
+def test_first_action_values_reads_the_state_after_the_prompt() -> None:
+    values = torch.tensor([[0.0, 0.0, 0.3, 0.4], [0.0, 0.7, 0.8, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    returns = torch.tensor([[0.0, 0.0, 1.0, 1.0], [0.0, 0.5, 0.5, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    mask = torch.tensor([[0, 0, 1, 1], [0, 1, 1, 0], [0, 0, 0, 0]], dtype=torch.bool)
+    v, r = first_action_values(values, returns, mask)
+    assert v.tolist() == pytest.approx([0.3, 0.7]) and r.tolist() == [1.0, 0.5]
+
+
+def _trainer(algo_name: str = "sao", **changes: object) -> Trainer:
+    policy = build_tiny_policy(TOK, size="0.1m", seed=0)
+    algo = PRESETS[algo_name].with_(**changes)
+    head = algo.value_head_init
+    critic = ValueModel.from_policy(policy, seed=1, head_init=head) if algo.use_critic else None
+    settings = OptimSettings(actor_lr=1e-3, critic_lr=1e-2, critic_lr_warmup_steps=1)
+    return Trainer(policy, critic, algo, settings)
+
+
+def test_actor_lambda_is_1_until_the_critic_beats_the_running_mean() -> None:
+    rng = random.Random(0)
+    trainer = _trainer(critic_ready_gain=0.5)
+    assert trainer.actor_algo().lam_actor == 1.0
+    stats = trainer.step([episode(rng, 2, f"g{i}") for i in range(8)])
+    assert stats["critic/actor_lambda_1"].item() == 1.0
+    # (no running mean before the first batch: the gain is undefined and left out)
+    assert "critic/heldout_ev" in stats and "critic/heldout_gain" not in stats
+    # a window that says the critic is good: the preset's own (adaptive) lambda
+    for _ in range(16):
+        trainer.fit.record(torch.tensor([0.0] * 8 + [1.0] * 8), torch.tensor([0.0] * 8 + [1.0] * 8))
+    assert trainer.actor_algo() is trainer.algo and trainer.algo.lam_actor is None
+    stats = trainer.step([episode(rng, 2, f"h{i}") for i in range(8)])
+    assert stats["critic/actor_lambda_1"].item() == 0.0
+    # without the option the gate is off from the start (paper)
+    assert _trainer().actor_algo() is not None and _trainer().actor_algo().lam_actor is None
+
+
+def test_the_window_holds_values_from_before_each_update() -> None:
+    rng = random.Random(1)
+    trainer = _trainer()
+    trajs = [episode(rng, 1, f"g{i}") for i in range(6)]
+    batch = trainer.prepare(trajs)
+    before = trainer.values(batch)
+    assert before is not None
+    trainer.step(trajs)
+    v, _ = first_action_values(before, before, batch.action_mask_BT)
+    assert [p[0] for p in trainer.fit.pairs] == pytest.approx(v.tolist())
+    assert [p[1] for p in trainer.fit.pairs] == pytest.approx([t.reward for t in trajs], abs=1e-6)
+    # the held-out readings: one value per trajectory, NaN for one without an action
+    values = prompt_values(trainer, trajs)
+    assert len(values) == 6 and all(math.isfinite(x) for x in values)
+    fit = heldout_fit(values, [t.reward for t in trajs])
+    assert set(fit) == {"eval/critic_ev", "eval/critic_auc"}
+    assert all(math.isnan(x) for x in prompt_values(_trainer("grpo"), trajs))
+
+
+def test_a_zero_head_starts_every_value_at_zero() -> None:
+    rng = random.Random(2)
+    trainer = _trainer(value_head_init="zero")
+    batch = trainer.prepare([episode(rng, 2, f"g{i}") for i in range(4)])
+    values = trainer.values(batch)
+    assert values is not None and torch.count_nonzero(values) == 0
+    trainer.step([episode(rng, 2, f"g{i}") for i in range(4)])  # and it learns from there
+    values = trainer.values(batch)
+    assert values is not None and torch.count_nonzero(values) > 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
+def test_freeze_below_trains_only_the_top_layers(arch: str) -> None:
+    critic = ValueModel.from_policy(make_arch_model(arch))
+    freeze_attention(critic)
+    report = freeze_below(critic, 1)
+    trainable = {n for n, p in critic.named_parameters() if p.requires_grad}
+    n_layers = max(int(part) for n in trainable for part in n.split(".") if part.isdigit()) + 1
+    assert trainable, arch
+    for name in trainable:  # the last layer's non-attention parts, final norm, head
+        digits = [int(p) for p in name.split(".") if p.isdigit()]
+        assert digits == [n_layers - 1] or not digits, name
+        assert classify_parameter(name) not in ("attention", "attention_norm"), name
+    assert "value_head.weight" in trainable
+    assert report.frozen["embeddings"] > 0 and report.trainable["embeddings"] == 0
+    assert report.trainable["final_norm"] > 0
+    with pytest.raises(ValueError, match="layers"):
+        freeze_below(critic, 1000)
+
+
+def test_a_top_layer_critic_step_leaves_the_lower_layers_bitwise() -> None:
+    rng = random.Random(3)
+    policy = build_tiny_policy(TOK, size="0.1m", seed=0)
+    critic = ValueModel.from_policy(policy, seed=1)
+    freeze_below(critic, 1)
+    before = {n: p.detach().clone() for n, p in critic.named_parameters()}
+    settings = OptimSettings(actor_lr=1e-3, critic_lr=1e-2, critic_lr_warmup_steps=1)
+    trainer = Trainer(policy, critic, PRESETS["sao"], settings)
+    trainer.step([episode(rng, 2, f"g{i}") for i in range(8)], train_actor=False)
+    for n, p in critic.named_parameters():
+        assert torch.equal(p, before[n]) != p.requires_grad, n
