@@ -16,7 +16,9 @@ import re
 from collections import Counter
 from pathlib import Path
 
-QUESTION = re.compile(r"Calculate (-?\d+) ([+-]) (-?\d+)\.\s*Finish with 'answer X'\.\s*assistant\s*$")
+QUESTION = re.compile(
+    r"Calculate (-?\d+) ([+-]) (-?\d+)\.\s*Finish with 'answer X'\.\s*assistant\s*$"
+)
 ANSWER = re.compile(r"answer\s*(-?\d+)")
 
 
