@@ -103,10 +103,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         # what RL raises is the arithmetic (greedy 0.28 held out; a negative result is
         # never right: P('-') ~ 1e-7 where one is due, out of reach of sampling).
         # GRPO, groups of 4: 0.28 -> 0.50 in 30 steps (sums 24 -> 36 of 45, differences
-        # >= 0 4 -> 14 of 25; BENCHMARKS.md). SAO's single rollouts at batch 8 lowered it
-        # (0.28 -> 0.19 in 15 actor steps at LR 3e-5): its critic explained ~none of the
-        # return at this batch size. Actor LR 1e-5: a pretrained model; 5e-5 collapsed a
-        # worked-form variant in 7 steps, 1e-4 found an echo hack in 6 (issue #23).
+        # >= 0 4 -> 14 of 25; BENCHMARKS.md). SAO on this task: `smollm2-arith-sao`.
+        # Actor LR 1e-5: a pretrained model; 5e-5 collapsed a worked-form variant in 7
+        # steps, 1e-4 found an echo hack in 6.
         "model": {"path": "smollm2-135m"},
         "task": {
             "name": "reasoning_gym",

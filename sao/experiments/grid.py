@@ -284,9 +284,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "running_mean": ("algo=running_mean", "train.steps=30"),
             },
             cost=(
-                "~80 min for 3 seeds on the 2 cores, 2 at a time: a run of 30 batches takes "
-                "~15 min alone (SAO) / ~10 min (GRPO, running mean), model load and 4 "
-                "evaluations included"
+                "~1 h 30 min for 3 seeds, 1 at a time (a run holds 12-14 GB; two at once were "
+                "killed for memory on 24 GB): a run of 30 batches takes ~14 min (SAO) / ~7.5 min "
+                "(GRPO, running mean) on the 2 quiet cores, model load and 4 evaluations included"
             ),
         ),
     ]

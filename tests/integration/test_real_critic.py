@@ -35,6 +35,7 @@ from sao.types import SamplingParams, Trajectory
 REAL_MODEL = os.environ.get("SAO_REAL_MODEL", "")
 pytestmark = [
     pytest.mark.real,
+    pytest.mark.timeout(900),  # ~3 min alone on 2 cores; 7.5 min beside a training run
     pytest.mark.skipif(
         not REAL_MODEL, reason="set SAO_REAL_MODEL to the SmolLM2 directory (make test-real)"
     ),
