@@ -17,10 +17,10 @@ from sao.config.reference import reference_markdown
 def _load(args: argparse.Namespace) -> Config:
     """The config of ``--preset``, ``--config`` and ``--set``, with a known task; says
     on stderr which earlier ``algo.*`` settings a switch of algorithm dropped."""
-    from sao.config.resolve import dropped_algo_settings
+    from sao.config.resolve import resolve_config
 
-    cfg = _known_task(load_config(args.preset, args.config, args.set))
-    dropped = dropped_algo_settings(args.preset, args.config, args.set)
+    cfg, dropped = resolve_config(args.preset, args.config, args.set)
+    cfg = _known_task(cfg)
     if dropped:
         items = ", ".join(f"{k}={v!r}" for k, v in dropped.items())
         print(

@@ -11,7 +11,11 @@ import pytest
 
 from sao.cli import main
 from sao.config import load_config
-from sao.config.resolve import dropped_algo_settings
+from sao.config.resolve import resolve_config
+
+
+def dropped_algo_settings(*args: object) -> dict[str, object]:
+    return resolve_config(*args)[1]  # type: ignore[arg-type]
 
 
 def test_switching_on_the_command_line_drops_the_presets_group_size() -> None:

@@ -95,16 +95,17 @@ def _layer(
     return _merge(data, layer)
 
 
-def dropped_algo_settings(
+def resolve_config(
     preset: str | None = None, file: str | Path | None = None, overrides: Sequence[str] = ()
-) -> dict[str, Any]:
-    """The ``algo.*`` settings of earlier sources that a later source's switch
-    of algorithm dropped (``sao config`` shows them); empty when none were."""
+) -> tuple[Config, dict[str, Any]]:
+    """:func:`load_config`, and the ``algo.*`` settings of earlier sources that a
+    later source's switch of algorithm dropped (``sao`` shows them); empty when
+    none were."""
     data: dict[str, Any] = {}
     dropped: dict[str, Any] = {}
     for layer in _layers(preset, file, overrides):
         data = _layer(data, layer, dropped)
-    return dropped
+    return validate(data), dropped
 
 
 def _layers(
@@ -149,10 +150,7 @@ def load_config(
     Later sources win key by key, except that a source which switches the
     algorithm drops the ``algo.*`` settings of the sources before it
     (:func:`_layer`)."""
-    data: dict[str, Any] = {}
-    for layer in _layers(preset, file, overrides):
-        data = _layer(data, layer)
-    return validate(data)
+    return resolve_config(preset, file, overrides)[0]
 
 
 def validate(data: Mapping[str, Any]) -> Config:

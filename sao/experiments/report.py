@@ -325,19 +325,20 @@ def paired_md(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
         "| verdict |",
         "|---|---|---|---|---|---|---|---|",
     ]
+
+    def values(arm: str, key: str) -> dict[int, float]:
+        return {r.seed: getattr(r, key) for r in runs if r.arm == arm}
+
     for other in arms[1:]:
-        cells = []
-        for key in ("final_success", "best_success"):
-
-            def values(arm: str, key: str = key) -> dict[int, float]:
-                return {r.seed: getattr(r, key) for r in runs if r.arm == arm}
-
-            pair = Paired.of(values(first), values(other))
-            cells += [pair.stats.cell(), f"{pair.p_sign:.3g}", pair.verdict()]
-        n = len(Paired.of({r.seed: 0.0 for r in runs if r.arm == first},
-                          {r.seed: 0.0 for r in runs if r.arm == other}).seeds)  # fmt: skip
+        pairs = [Paired.of(values(first, k), values(other, k)) for k in KEYS]
+        cells = [c for p in pairs for c in (p.stats.cell(), f"{p.p_sign:.3g}", p.verdict())]
+        n = len(pairs[0].seeds)
         out.append(f"| `{first}` - `{other}` | {n} | " + " | ".join(cells) + " |")
     return out
+
+
+KEYS = ("final_success", "best_success")
+"""The run results :func:`paired_md` pairs, in its columns' order."""
 
 
 def _overrides_md(exp: Experiment, overrides: Sequence[str]) -> list[str]:

@@ -106,14 +106,9 @@ class CriticFit:
         only) is left out, so a plot shows a gap."""
         if not self.pairs:
             return {}
-        v = torch.tensor([p[0] for p in self.pairs], dtype=torch.float64, device="cpu")
-        r = torch.tensor([p[1] for p in self.pairs], dtype=torch.float64, device="cpu")
-        stats = {
-            "critic/heldout_gain": self.gain(),
-            "critic/heldout_ev": float(explained_variance_n(v, r)),
-            "critic/heldout_auc": float(binary_auc(v, r > 0.5)),
-        }
-        return {k: x for k, x in stats.items() if math.isfinite(x)}  # (undefined: left out)
+        fit = _ev_auc([p[0] for p in self.pairs], [p[1] for p in self.pairs], "critic/heldout")
+        gain = self.gain()
+        return fit | ({"critic/heldout_gain": gain} if math.isfinite(gain) else {})
 
     def state_dict(self) -> dict[str, object]:
         """The window and the running mean, for checkpoints."""
@@ -139,9 +134,7 @@ def prompt_values(trainer: _Critic, trajectories: Sequence[Trajectory]) -> list[
     batch = collate([trajectories[i] for i in rows]).to(trainer.device)
     values_BT = trainer.values(batch)
     assert values_BT is not None
-    mask = batch.action_mask_BT
-    first_B = mask.float().argmax(dim=1)
-    v_B = values_BT[torch.arange(len(rows), device=values_BT.device), first_B]
+    v_B, _ = first_action_values(values_BT, values_BT, batch.action_mask_BT)
     for i, v in zip(rows, v_B.tolist(), strict=True):
         out[i] = v
     return out
@@ -157,10 +150,14 @@ def heldout_fit(values: Sequence[float], rewards: Sequence[float]) -> dict[str, 
     pairs = [(v, r) for v, r in zip(values, rewards, strict=True) if math.isfinite(v)]
     if len(pairs) < 2:
         return {}
-    v = torch.tensor([p[0] for p in pairs], dtype=torch.float64, device="cpu")
-    r = torch.tensor([p[1] for p in pairs], dtype=torch.float64, device="cpu")
-    stats = {
-        "eval/critic_ev": float(explained_variance_n(v, r)),
-        "eval/critic_auc": float(binary_auc(v, r > 0.5)),
-    }
-    return {k: x for k, x in stats.items() if math.isfinite(x)}
+    return _ev_auc([p[0] for p in pairs], [p[1] for p in pairs], "eval/critic")
+
+
+def _ev_auc(values: Sequence[float], returns: Sequence[float], prefix: str) -> dict[str, float]:
+    """``PREFIX_ev`` and ``PREFIX_auc`` (successes: return > 0.5) of values against
+    returns; one that is undefined (all returns equal, one outcome only) is left
+    out, so a plot shows a gap."""
+    v = torch.tensor(values, dtype=torch.float64, device="cpu")
+    r = torch.tensor(returns, dtype=torch.float64, device="cpu")
+    stats = {f"{prefix}_ev": explained_variance_n(v, r), f"{prefix}_auc": binary_auc(v, r > 0.5)}
+    return {k: float(x) for k, x in stats.items() if math.isfinite(float(x))}

@@ -86,6 +86,15 @@ def adamw(params: list[nn.Parameter], lr: float) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=lr, fused=fused or None)
 
 
+def warmup(optim: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear learning-rate warm-up over ``steps`` applied updates (0 or 1: none):
+    update ``s`` (from 0) runs at ``min(1, (s + 1) / steps)`` of the rate. Adam's
+    first updates move every weight by about the full rate whatever its gradient
+    (its moment estimates hold one or two gradients), so a warm-up keeps them small."""
+    warm = max(steps, 1)
+    return torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warm))
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's shard of a DTensor (FSDP2); a plain tensor as is."""
     return t.to_local() if isinstance(t, DTensor) else t

@@ -44,7 +44,13 @@ from sao.train.estimators import (
     policy_loss,
 )
 from sao.train.guard import WHAT, Guard, NonFiniteError, nonfinite
-from sao.train.precision import MasterWeights, adamw, adamw_nonfinite, adamw_step_bound
+from sao.train.precision import (
+    MasterWeights,
+    adamw,
+    adamw_nonfinite,
+    adamw_step_bound,
+    warmup,
+)
 from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
 from sao.train.split import worth_packing
 from sao.types import Batch, Trajectory, collate
@@ -112,7 +118,7 @@ class Trainer:
             self.actor = self.ranks.shard(self._logprobs)
             self.actor_weights = MasterWeights(policy.parameters())
             self.actor_optim = adamw(self.actor_weights.params, settings.actor_lr)
-            self.actor_sched = _warmup(self.actor_optim, settings.actor_lr_warmup_steps)
+            self.actor_sched = warmup(self.actor_optim, settings.actor_lr_warmup_steps)
         if critic is not None:
             self.ranks.shard(critic)
         self.critic_weights: MasterWeights | None = None
@@ -121,7 +127,7 @@ class Trainer:
         if critic is not None:
             self.critic_weights = MasterWeights(p for p in critic.parameters() if p.requires_grad)
             self.critic_optim = adamw(self.critic_weights.params, settings.critic_lr)
-            self.critic_sched = _warmup(self.critic_optim, settings.critic_lr_warmup_steps)
+            self.critic_sched = warmup(self.critic_optim, settings.critic_lr_warmup_steps)
         self.running_mean = (
             RunningMeanBaseline(algo.running_mean_window, algo.running_mean_per_prompt)
             if algo.advantage == "running_mean"
@@ -494,15 +500,6 @@ class Trainer:
             self.fit.load_state_dict(state["critic_fit"])  # type: ignore[arg-type]
         self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
         self.skipped |= state.get("skipped_per_model") or {}  # type: ignore[call-overload]
-
-
-def _warmup(optim: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear learning-rate warm-up over ``steps`` applied updates (0 or 1: none):
-    update ``s`` (from 0) runs at ``min(1, (s + 1) / steps)`` of the rate. Adam's
-    first updates move every weight by about the full rate whatever its gradient
-    (its moment estimates hold one or two gradients), so a warm-up keeps them small."""
-    warm = max(steps, 1)
-    return torch.optim.lr_scheduler.LambdaLR(optim, lambda s: min(1.0, (s + 1) / warm))
 
 
 def _zero_loss(out: torch.Tensor) -> torch.Tensor:

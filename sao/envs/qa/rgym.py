@@ -38,7 +38,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal, Protocol
 
 from sao.envs._state import expect_same, read, read_optional
@@ -50,6 +50,17 @@ __all__ = ["ReasoningGymEnv", "ReasoningGymTask", "dataset_names"]
 
 _MAX_SKIPS = 1000
 _SKIP_STRIDE = 7919
+
+
+def _distinct(entries: Iterable[Entry], n: int) -> list[Entry]:
+    """The first ``n`` of ``entries`` with distinct questions (option ``shots``)."""
+    shots: dict[str, Entry] = {}
+    for entry in entries:
+        if len(shots) == n:
+            break
+        shots.setdefault(str(entry["question"]), entry)
+    _check(len(shots) == n, "shots", f"the train split has fewer than {n} distinct questions")
+    return list(shots.values())
 
 
 def _hash(*parts: object) -> int:
@@ -235,26 +246,13 @@ class ReasoningGymTask:
 
     def _shot_entries(self, n: int) -> list[Entry]:
         """The first ``n`` train entries with distinct questions (never eval ones)."""
-        shots: dict[str, Entry] = {}
-        for index in range(_MAX_SKIPS):
-            if len(shots) == n:
-                break
-            entry = self.entry("train", index)
-            shots.setdefault(str(entry["question"]), entry)
-        _check(len(shots) == n, "shots", f"the train split has fewer than {n} distinct questions")
-        return list(shots.values())
+        return _distinct((self.entry("train", i) for i in range(_MAX_SKIPS)), n)
 
     def _fixed_shots(self, n: int, shots_seed: int) -> list[Entry]:
         """The first ``n`` distinct questions of the train split ``shots_seed`` draws:
         the same shots whatever the run's seed (the eval split then skips them)."""
-        shots: dict[str, Entry] = {}
         data = self._create(_hash(shots_seed, "train") % 2**31, max(n * 64, 1))
-        for index in range(len(data)):
-            if len(shots) == n:
-                break
-            shots.setdefault(str(data[index]["question"]), data[index])
-        _check(len(shots) == n, "shots", f"the train split has fewer than {n} distinct questions")
-        return list(shots.values())
+        return _distinct((data[i] for i in range(len(data))), n)
 
     def _create(self, seed: int, size: int) -> GymDataset:
         import reasoning_gym  # optional dependency, imported on use
