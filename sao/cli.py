@@ -233,10 +233,27 @@ def _experiment(args: argparse.Namespace) -> int:
     if args.list:
         print("\n\n".join(ex.describe(e) for e in ex.EXPERIMENTS.values()))
         return 0
+    if args.verdicts:
+        from sao.experiments.claims import verdicts_md
+
+        for d in args.verdicts:
+            ex.load_meta(Path(d))
+        print("\n".join(verdicts_md(args.verdicts)))
+        return 0
     if args.report:
         from sao.experiments.report import write_report
 
-        ex.load_meta(Path(args.report))
+        meta = ex.load_meta(Path(args.report))
+        named = ex.EXPERIMENTS.get(str(meta.get("name")))
+        if named is not None:  # its current wording and claims, if its runs were made alike
+            try:
+                overrides = meta.get("overrides", [])
+                assert isinstance(overrides, list)
+                ex.claim_dir(named, Path(args.report), [str(o) for o in overrides])
+            except ConfigError as e:
+                print(
+                    f"sao: reporting the definition stored in {args.report}: {e}", file=sys.stderr
+                )
         for path in write_report(Path(args.report)):
             print(path)
         return 0
@@ -320,6 +337,13 @@ def _add_experiment(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--dir", help="results directory (default experiments/NAME)")
     p.add_argument("--report", metavar="DIR", help="rebuild the report of DIR from its runs")
     p.add_argument("--list", action="store_true", help="list the named experiments")
+    p.add_argument(
+        "--verdicts",
+        nargs="+",
+        metavar="DIR",
+        help="print every pre-stated claim's verdict of these experiment directories (from "
+        "their experiment.json and results.csv) as one Markdown table",
+    )
     p.set_defaults(func=_experiment)
 
 

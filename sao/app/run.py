@@ -152,6 +152,7 @@ def _pipeline(
         failure=build_failure_policy(cfg),
         report=report,
         admission=JustInTime(cfg.runtime.max_lag) if cfg.runtime.admission == "jit" else None,
+        lockstep=cfg.runtime.admission == "fixed",
     )
     orch.consumed, orch.version = start_step, version
     return orch

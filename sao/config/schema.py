@@ -280,11 +280,15 @@ class RuntimeConfig(_Section):
 
     max_lag: NonNegativeInt = 4
     """Staleness bound in versions; 0 = synchronous training."""
-    admission: Literal["jit", "static"] = "jit"
+    admission: Literal["jit", "static", "fixed"] = "jit"
     """When episodes start. ``jit``: as late as keeps the trainer fed, by feedback on
     whether each batch was late or had trajectories to spare (a trainer-bound run then
     trains on ~1-version-stale data). ``static``: as early as the bound allows
-    (``max_lag + 1`` batches ahead). ``max_lag`` is the hard bound in both (docs/async.md)."""
+    (``max_lag + 1`` batches ahead). ``max_lag`` is the hard bound in both (docs/async.md).
+    ``fixed``: a measurement device, not a speed feature: every batch is exactly
+    ``max_lag`` versions old, whatever the trainer's speed (the first ``max_lag`` steps
+    less), and no episode spans a weight update; the trainer waits for the rollouts
+    before each publish. For comparing algorithms at equal, stated staleness."""
     watchdog_s: NonNegativeFloat = 900.0
     """Stop the run, saying what each episode in flight is waiting on, when no episode
     finishes and no step completes for this long (0: off). Raise it for steps or

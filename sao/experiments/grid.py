@@ -66,6 +66,9 @@ class Experiment:
     """Estimated wall-clock cost, with how it was estimated."""
     marks: tuple[int, ...] = ()
     """Actor steps drawn as vertical lines in the plots (e.g. preference switches)."""
+    claims: tuple[str, ...] = ()
+    """The comparisons the claim makes, stated before the runs (:mod:`sao.experiments.claims`:
+    ``"sao > grpo"``, ``"collapse: grpo > sao"``); the report judges each."""
 
     def __post_init__(self) -> None:
         for what, name in [("experiment", self.name), *(("arm", a) for a in self.arms)]:
@@ -76,12 +79,21 @@ class Experiment:
                 )
         if not self.arms:
             raise ConfigError(f"experiment {self.name!r} has no arms")
+        from sao.experiments.claims import Claim, ClaimError
+
+        for text in self.claims:
+            try:
+                Claim.parse(text, list(self.arms))
+            except ClaimError as e:
+                raise ConfigError(f"experiment {self.name!r}: {e}") from None
 
     @classmethod
     def from_dict(cls, d: Mapping[str, object]) -> Experiment:
         """Inverse of :meth:`to_dict`."""
         arms, base, marks = d["arms"], d.get("base", []), d.get("marks", [])
+        claims = d.get("claims", [])
         assert isinstance(arms, Mapping) and isinstance(base, list) and isinstance(marks, list)
+        assert isinstance(claims, list)
         return cls(
             name=str(d["name"]),
             claim=str(d["claim"]),
@@ -90,6 +102,7 @@ class Experiment:
             base=tuple(map(str, base)),
             cost=str(d.get("cost", "")),
             marks=tuple(map(int, marks)),
+            claims=tuple(map(str, claims)),
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -102,6 +115,7 @@ class Experiment:
             "arms": {a: list(s) for a, s in self.arms.items()},
             "cost": self.cost,
             "marks": list(self.marks),
+            "claims": list(self.claims),
         }
 
 
@@ -140,9 +154,64 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "grpo_dis": ("algo=grpo_dis",),
                 "grpo": ("algo=grpo",),
             },
+            claims=(
+                "sao > sao_dis_only",
+                "sao_dis_only > grpo_dis",
+                "grpo_dis > grpo",
+                "collapse: grpo > sao",
+            ),
             cost=(
                 "~55 min: 12 runs x 250 steps at ~2.2 s (SAO arms) / ~1.4 s (GRPO arms) a step, "
                 "2 at a time; the first time, ~5 min more for the seed-1 and seed-2 warm starts"
+            ),
+        ),
+        Experiment(
+            name="staleness",
+            claim=(
+                "Paper Table 1 and sections 5-6, with staleness controlled: group sampling and "
+                "the PPO clip break down when the trainer learns from trajectories sampled "
+                "several policy versions ago, and SAO's design holds up there. Here: the "
+                "table1 arms on calc-tiny, each trained on batches exactly k policy versions "
+                "old (runtime.admission=fixed, runtime.max_lag=k; the first k steps less), at "
+                "k=0 (synchronous) and k=4 (the paper's bound here), and sao and grpo under "
+                "today's default (just-in-time admission, max_lag 4, ~1 version stale). 250 "
+                "actor steps (collapses came at step 170 and later); greedy held-out success "
+                "on 200 episodes. Pre-stated: at k=4 the table1 order holds pair by pair and "
+                "GRPO collapses more often than SAO; GRPO's gap to SAO is wider at k=4 than "
+                "at k=0; staleness costs GRPO; SAO beats GRPO at k=0 and under jit. " + _COMPARED
+            ),
+            preset="calc-tiny",
+            base=_steps(250),
+            arms={
+                f"{arm}_{cond}": (f"algo={algo}", *sets)
+                for cond, sets in (
+                    ("k0", ("runtime.admission=fixed", "runtime.max_lag=0")),
+                    ("k4", ("runtime.admission=fixed", "runtime.max_lag=4")),
+                    ("jit", ("runtime.admission=jit", "runtime.max_lag=4")),
+                )
+                for arm, algo in (
+                    ("sao", "sao"),
+                    ("sao_dis_only", "sao_dis_only"),
+                    ("grpo_dis", "grpo_dis"),
+                    ("grpo", "grpo"),
+                )
+                if cond != "jit" or arm in ("sao", "grpo")
+            },
+            claims=(
+                "sao_k4 > sao_dis_only_k4",
+                "sao_dis_only_k4 > grpo_dis_k4",
+                "grpo_dis_k4 > grpo_k4",
+                "sao_k4 > grpo_k4",
+                "collapse: grpo_k4 > sao_k4",
+                "sao_k4 - grpo_k4 > sao_k0 - grpo_k0",
+                "grpo_k0 > grpo_k4",
+                "sao_k0 > grpo_k0",
+                "sao_jit > grpo_jit",
+            ),
+            cost=(
+                "~2 min per 100 steps alone (GRPO), ~2x with 2 at a time; 80 runs for 8 seeds: "
+                "run --arms sao_k0,grpo_k0,sao_k4,grpo_k4 first (the staleness question), "
+                "then the rest; the grid resumes"
             ),
         ),
         Experiment(
@@ -163,6 +232,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "no_warmup": (*_SAO, "algo.critic_pretrain_steps=0"),
                 "running_mean": ("algo=running_mean",),
             },
+            claims=("sao > k1", "sao > full_critic", "sao > no_warmup", "sao > running_mean"),
             cost=(
                 "~55 min: 15 runs x 200 steps at ~2.2 s (critic arms) / ~1.4 s (running mean) a "
                 "step, 2 at a time (+~5 min of warm starts the first time, shared with table1)"
@@ -185,6 +255,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "step_average": ("algo=step_average",),
                 "step_last_token": ("algo=step_last_token",),
             },
+            claims=("sao > step_average", "sao > step_last_token"),
             cost=(
                 "~35 min: 9 runs x 150 steps at ~2.2 s a step, 2 at a time (+~5 min of warm "
                 "starts the first time, shared with table1)"
@@ -237,6 +308,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "static": (*_SAO, "runtime.admission=static"),
                 "jit": (*_SAO, "runtime.admission=jit"),
             },
+            claims=("jit > static", "collapse: static > jit"),
             cost="~1 h for 3 seeds: 6 runs of 200 steps at ~2-3 s a step, 1 at a time",
         ),
         Experiment(
@@ -252,6 +324,7 @@ EXPERIMENTS: dict[str, Experiment] = {
             preset="calc-tiny",
             base=("log.checkpoint_every=100", "eval.every=20", "train.steps=1000"),
             arms={"sao": _SAO, "grpo": ("algo=grpo",), "vapo": ("algo=vapo",)},
+            claims=("collapse: grpo > sao", "collapse: vapo > sao", "sao > grpo", "sao > vapo"),
             cost=(
                 "~2.5 h for 3 seeds, ~50 min with --seeds 1: runs of 1000 steps at ~2.2 s "
                 "(sao, vapo) / ~1.4 s (grpo) a step, 2 at a time"
@@ -283,6 +356,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "grpo": ("algo=grpo", "algo.group_size=4", "train.steps=30"),
                 "running_mean": ("algo=running_mean", "train.steps=30"),
             },
+            claims=("sao > grpo", "sao > running_mean"),
             cost=(
                 "~1 h 30 min for 3 seeds, 1 at a time (a run holds 12-14 GB; two at once were "
                 "killed for memory on 24 GB): a run of 30 batches takes ~14 min (SAO) / ~7.5 min "
@@ -327,7 +401,7 @@ def load_grid(path: str | Path) -> Experiment:
     arms = data.get("arms")
     if not isinstance(head, dict) or not isinstance(arms, dict) or not arms:
         raise ConfigError(f"{path}: needs an [experiment] table and at least one [arms.NAME]")
-    _known(head, ["name", "claim", "preset", "base", "cost", "marks"], "[experiment]")
+    _known(head, ["name", "claim", "preset", "base", "cost", "marks", "claims"], "[experiment]")
     for key in ("name", "claim"):
         if not isinstance(head.get(key), str):
             raise ConfigError(f'{path}: [experiment] needs {key} = "..."')
@@ -348,6 +422,7 @@ def load_grid(path: str | Path) -> Experiment:
         base=_strings(head.get("base", []), "[experiment] base"),
         cost=str(head.get("cost", "")),
         marks=tuple(marks),
+        claims=_strings(head.get("claims", []), "[experiment] claims"),
     )
 
 
@@ -388,7 +463,8 @@ def plan(
     overrides: Sequence[str] = (),
     arms: Sequence[str] | None = None,
 ) -> list[Run]:
-    """The runs of ``exp`` (arms in definition order, each over seeds ``0..seeds-1``),
+    """The runs of ``exp``, seed by seed (seed 0 of every arm in definition order,
+    then seed 1, ...: a grid stopped early leaves whole seeds to pair),
     every config validated first. Errors: an unknown arm, a ``--set`` that sets a
     key one of the arms sets (or a runner key), arms that would not train equal
     trajectories per step and equal actor steps."""
@@ -411,8 +487,8 @@ def plan(
             root / "runs" / arm / f"seed-{seed}",
             root / "logs" / arm / f"seed-{seed}.log",
         )
-        for arm in chosen
         for seed in range(seeds)
+        for arm in chosen
     ]
 
 
@@ -461,7 +537,9 @@ def _check_sizes(exp: Experiment, overrides: Sequence[str]) -> None:
 
 def claim_dir(exp: Experiment, exp_dir: Path, overrides: Sequence[str]) -> None:
     """Record ``exp`` in ``exp_dir/experiment.json``, or check that the directory
-    already holds this experiment with the same definition and overrides."""
+    already holds this experiment with runs made the same way (preset, base,
+    overrides, and each arm it shares), then record the current definition: its
+    wording, claims and new arms may change; how an existing run was made may not."""
     meta = {"name": exp.name, "definition": exp.to_dict(), "overrides": list(overrides)}
     path = exp_dir / "experiment.json"
     if path.is_file():
@@ -471,13 +549,22 @@ def claim_dir(exp: Experiment, exp_dir: Path, overrides: Sequence[str]) -> None:
                 f"{str(exp_dir)!r} holds experiment {old.get('name')!r}, not {exp.name!r}; "
                 "pick another --dir"
             )
-        if old != meta:
-            what = [k for k in ("definition", "overrides") if old.get(k) != meta[k]]
+        was, now = old.get("definition", {}), exp.to_dict()
+        what = [k for k in ("preset", "base") if was.get(k) != now[k]]
+        what += [
+            f"arm {arm!r}"
+            for arm, sets in was.get("arms", {}).items()
+            if arm in exp.arms and list(exp.arms[arm]) != sets
+        ]
+        what += ["overrides"] if old.get("overrides") != list(overrides) else []
+        if what:
             raise ConfigError(
                 f"{str(exp_dir)!r} holds experiment {exp.name!r} run with another "
-                f"{' and '.join(what)} (overrides there: {old.get('overrides')}); its runs "
+                f"{', '.join(what)} (overrides there: {old.get('overrides')}); its runs "
                 "would not be comparable: pick another --dir"
             )
+        if old != meta:
+            path.write_text(json.dumps(meta, indent=2) + "\n")
         return
     if exp_dir.exists() and any(exp_dir.iterdir()):
         raise ConfigError(

@@ -28,6 +28,7 @@ from pathlib import Path
 import yaml
 
 from sao.config import validate
+from sao.experiments.claims import Outcome, claims_md
 from sao.experiments.grid import Experiment
 from sao.experiments.results import (
     Paired,
@@ -174,6 +175,8 @@ def write_report(exp_dir: Path) -> list[Path]:
     written = [exp_dir / "results.csv", exp_dir / "results.md"]
     written[0].write_text(results_csv(runs, exp.marks))
     plots = write_plots(runs, exp, exp_dir)
+    if seeds := write_seed_plot(runs, exp, exp_dir):
+        plots.append(seeds)
     if style := write_style_plot(runs, exp, exp_dir, _schedule(exp_dir, runs)):
         plots.append(style)
     md = results_md(exp, list(meta.get("overrides", [])), runs, unfinished, exp_dir, plots)
@@ -256,7 +259,14 @@ def results_md(
     if not runs:
         return "\n".join([*out, "No finished runs yet.", ""])
     out += _arms_table(exp, runs)
-    out += ["", *paired_md(exp, runs)]
+    if exp.claims:
+        outcomes = [
+            Outcome(r.arm, r.seed, r.final_success, r.best_success, r.collapse_step is not None)
+            for r in runs
+        ]
+        out += ["", *claims_md(exp.claims, outcomes)]
+    else:
+        out += ["", *paired_md(exp, runs)]
     out += ["", *recovery_md(exp, runs)] if exp.marks else []
     out += _overrides_md(exp, overrides)
     out += code_md(runs)
@@ -424,3 +434,40 @@ def write_plots(runs: Sequence[RunResult], exp: Experiment, out_dir: Path) -> li
         plt.close(fig)
         written.append(path)
     return written
+
+
+def write_seed_plot(runs: Sequence[RunResult], exp: Experiment, out_dir: Path) -> Path | None:
+    """``eval_success_seeds.png``: held-out success of every run, one panel per arm,
+    one line per seed (no run hidden in a mean)."""
+    arms = [a for a in exp.arms if any(r.arm == a and r.curves.get("eval/success") for r in runs)]
+    if not arms:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(len(arms), 4)
+    rows = math.ceil(len(arms) / cols)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(3.2 * cols, 2.6 * rows), dpi=110, sharex=True, sharey=True,
+        squeeze=False,
+    )  # fmt: skip
+    for ax, arm in zip(axes.flat, arms, strict=False):
+        for r in (r for r in runs if r.arm == arm and r.curves.get("eval/success")):
+            steps, values = zip(*r.curves["eval/success"], strict=True)
+            ax.plot(steps, values, linewidth=1, label=f"seed {r.seed}")
+        for m in exp.marks:
+            ax.axvline(m, color="grey", linestyle="--", linewidth=1)
+        ax.set_title(arm, fontsize=9)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(arms) :]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("held-out success")
+    axes[0][0].legend(fontsize=6, ncol=2)
+    fig.suptitle(f"{exp.name}: held-out success of every seed", fontsize=9)
+    fig.tight_layout()
+    path = out_dir / "eval_success_seeds.png"
+    fig.savefig(path, metadata={"Software": None})
+    plt.close(fig)
+    return path

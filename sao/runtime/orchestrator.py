@@ -6,6 +6,16 @@ applies them while episodes are still running.
 Synchronous training is the same code with ``max_lag = 0`` (the staleness
 gate then admits exactly one batch per version).
 
+``lockstep`` (``runtime.admission=fixed``) makes staleness a controlled
+variable, a measurement device rather than a speed feature: the batch the
+trainer takes at step ``s`` is exactly ``max_lag`` versions old (less during
+the first ``max_lag`` steps, generated at version 0). The rollouts of batch
+``s + max_lag + 1`` run while the trainer trains on batch ``s``; before it
+publishes, the trainer waits until they have all finished, and only after the
+publish may the next batch start. So no episode spans a weight update and
+every trajectory of a batch was sampled by one version, whatever the relative
+speed of trainer and rollouts.
+
 An episode that fails (``env_error``, ``timeout``, ``error``, or an exception
 from the runner) is counted and reported, and gives its capacity back; it is
 never trained as its score (:class:`FailurePolicy`). Only a failure the run
@@ -123,10 +133,18 @@ class Orchestrator:
         failure: FailurePolicy | None = None,
         report: Report | None = None,
         admission: JustInTime | None = None,
+        lockstep: bool = False,
     ) -> None:
         self.runner, self.sampling = runner, sampling
         self.admission = admission
         """Just-in-time admission (None: the gate's static rule, ``max_lag + 1`` batches)."""
+        if lockstep and admission is not None:
+            raise ValueError("lockstep admission takes no just-in-time controller")
+        self.lockstep = lockstep
+        """Every batch exactly ``max_lag`` versions old (see the module docstring)."""
+        self.released = 0
+        """Batches whose capacity the gate has released: ``consumed``, except that in
+        lockstep a batch's capacity is released only after its publish."""
         self.failure, self.report = failure or FailurePolicy(), report
         self.gate, self.buffer = gate, buffer
         self.in_flight, self.group_size, self.seed = in_flight, group_size, seed
@@ -151,6 +169,7 @@ class Orchestrator:
         self._running = 0
         self._fatal: BaseException | None = None
         self._wake = asyncio.Event()
+        self._ended = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ------------------------------------------------------------------ rollout side
@@ -161,10 +180,9 @@ class Orchestrator:
         while True:
             if self._fatal is not None:  # an episode hit an error the run cannot survive
                 raise self._fatal
-            cap = None if jit is None else jit.capacity(self.consumed, B)
-            if self._running + G <= self.in_flight and self.gate.can_start(
-                self.consumed, G, capacity=cap
-            ):
+            s = self.released if self.lockstep else self.consumed
+            cap = None if jit is None else jit.capacity(s, B)
+            if self._running + G <= self.in_flight and self.gate.can_start(s, G, capacity=cap):
                 self._start_group(self._next_index())
                 continue
             t0 = time.perf_counter()
@@ -221,6 +239,7 @@ class Orchestrator:
             else:
                 self.state.in_flight[index] = left
             self._wake.set()
+            self._ended.set()
 
     def _samples(self, played: Played) -> list[Trajectory]:
         """An episode's samples; beyond the first, each counts as one more episode
@@ -332,6 +351,7 @@ class Orchestrator:
     ) -> None:
         """Consume ``steps`` batches: the first ``warmup_steps`` train only the
         critic (no publish), then each actor step publishes version ``v + 1``."""
+        self.released = self.consumed
         producer = asyncio.create_task(self.produce())
         guards = {producer, asyncio.create_task(self._watchdog())}
         try:
@@ -355,12 +375,20 @@ class Orchestrator:
                 t1 = time.perf_counter()
                 metrics = await self._guarded(step_fn(batch, train_actor), guards)
                 metrics["time/train_step_s"] = time.perf_counter() - t1
+                if self.lockstep:
+                    self.doing = (
+                        f"waiting for the rollouts that run during step {self.consumed + 1}"
+                    )
+                    t2 = time.perf_counter()
+                    await self._guarded(self._generated(), guards)
+                    metrics["time/lockstep_wait_s"] = time.perf_counter() - t2
                 self.consumed += 1
                 if train_actor:
                     self.version += 1
                     self.doing = f"publishing weight version {self.version}"
                     metrics["publish/sync_s"] = await self._guarded(publish(self.version), guards)
                     self.runner.set_train_step(self.version)
+                self.released = self.consumed
                 self.last_progress = time.monotonic()
                 self._wake.set()
                 metrics |= self.runtime_metrics(batch, taken_at)
@@ -372,6 +400,15 @@ class Orchestrator:
             for guard in guards:
                 guard.cancel()
             await self.cancel_episodes()
+
+    async def _generated(self) -> None:
+        """Wait until every episode the gate admits before the next release has
+        finished (lockstep): none running and no capacity left to start one."""
+        G = self.group_size
+        while self._running > 0 or self.gate.can_start(self.released, G):
+            self._ended.clear()
+            self._wake.set()  # a rejected episode's capacity may be waiting to refill
+            await self._ended.wait()
 
     async def _guarded(self, work: Awaitable[_T], guards: set[asyncio.Task[None]]) -> _T:
         """``await work``, unless the producer or the watchdog stops first: then
@@ -427,6 +464,7 @@ class Orchestrator:
             | {
                 "staleness/mean": sum(lags) / max(len(lags), 1),
                 "staleness/max": float(max(lags, default=0)),
+                "staleness/min": float(min(lags, default=0)),
                 "dropped/stale": float(self.gate.dropped),
                 "dropped/filtered": float(self.buffer.filtered),
                 "dropped/failed": float(self.buffer.failed),

@@ -82,6 +82,13 @@ class StalenessGate:
             if kv_kept and L > 0
             else ""
         )
+        if admission == "fixed":
+            return (
+                f"fixed policy lag: every batch is exactly {L} version(s) old, the first {L} "
+                f"step(s) less (runtime.admission=fixed, a measurement device: the trainer "
+                f"waits for the rollouts of batch s + {L + 1} before each publish, so no "
+                f"episode spans a weight update); batch {B}, rollout.in_flight {in_flight}"
+            )
         when = (
             "as late as keeps the trainer fed (runtime.admission=jit)"
             if admission == "jit" and L > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,18 @@ def test_a_directory_holds_one_experiment(tmp_path: Path) -> None:
         claim_dir(EXPERIMENTS["critic"], tmp_path, [])
     with pytest.raises(ConfigError, match="another overrides"):
         claim_dir(EXPERIMENTS["table1"], tmp_path, ["train.steps=3"])
+    # new wording, claims or arms are recorded; an arm made another way is refused
+    t1 = EXPERIMENTS["table1"]
+    reworded = replace(t1, claims=("sao > grpo",), arms={**t1.arms, "extra": ("algo=rloo",)})
+    claim_dir(reworded, tmp_path, [])
+    saved = json.loads((tmp_path / "experiment.json").read_text())["definition"]
+    assert saved["claims"] == ["sao > grpo"] and "extra" in saved["arms"]
+    with pytest.raises(ConfigError, match="another arm 'grpo'"):
+        claim_dir(replace(t1, arms={**t1.arms, "grpo": ("algo=grpo_dis",)}), tmp_path, [])
+    with pytest.raises(ConfigError, match="another base"):
+        claim_dir(replace(t1, base=("train.steps=5",)), tmp_path, [])
+    with pytest.raises(ConfigError, match="names arm 'gpro'"):
+        replace(t1, claims=("sao > gpro",))
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="not empty"):
@@ -303,7 +316,13 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
 
     before = report()
     # no explained-variance plot: every reward is 0 here, so the critic's is undefined
-    assert sorted(before) == ["eval_success.png", "results.csv", "results.md", "reward.png"]
+    assert sorted(before) == [
+        "eval_success.png",
+        "eval_success_seeds.png",
+        "results.csv",
+        "results.md",
+        "reward.png",
+    ]
     for name in before:
         (out / name).unlink()
     assert main(["experiment", "--report", str(out)]) == 0

@@ -146,3 +146,110 @@ def test_jit_trains_fresher_data_than_the_static_rule() -> None:
     # for a few steps after a batch came late, e.g. on a loaded machine)
     assert static[6:] == [3.0] * 6
     assert max(jit) <= 3.0 and sum(jit[6:]) / 6 <= 2.0
+
+
+# ---------------------------------------------------------------- fixed staleness (lockstep)
+
+
+class _Tokens(_Instant):
+    """Episodes of three action tokens, each sampled at the engine's version at
+    that moment (an in-flight update would show as mixed versions); every fourth
+    prompt's group gets equal rewards (dropped by dynamic sampling)."""
+
+    def __init__(self, token_s: float) -> None:
+        super().__init__()
+        self.token_s = token_s
+
+    async def run(self, split: str, index: int, **kw: Any) -> Trajectory:
+        versions = []
+        for _ in range(3):
+            await asyncio.sleep(self.token_s)
+            versions.append(self.version)
+        member = kw["seed"] % 131  # _seed(index, member) = seed * 1_000_003 + index * 131 + member
+        return Trajectory(
+            prompt_id=kw["prompt_id"],
+            tokens=(0, 1, 2, 3),
+            action_mask=(False, True, True, True),
+            rollout_logp=(0.0, -0.5, -0.5, -0.5),
+            versions=(-1, *versions),
+            turns=(Turn(start=1, end=4, obs_end=4),),
+            reward=0.0 if index % 4 == 3 else float(member % 2),
+            finish_reason="stop",
+            group_id=kw["group_id"],
+        )
+
+
+def _lockstep(
+    *, step_s: float, token_s: float, max_lag: int, group: int = 1, steps: int = 10
+) -> tuple[list[tuple[float, float]], list[list[int]]]:
+    """(min, max) staleness per step and each batch's token versions, in lockstep."""
+    gate = StalenessGate(max_lag=max_lag, batch_size=4)
+    runner = _Tokens(token_s)
+    orch = Orchestrator(
+        runner,
+        SamplingParams(),
+        gate=gate,
+        buffer=TrajectoryBuffer(gate, group_size=group, dynamic_sampling=group > 1),
+        in_flight=6,  # fewer than the episodes admitted ahead: they queue
+        group_size=group,
+        seed=0,
+        lockstep=True,
+    )
+    seen: list[tuple[float, float]] = []
+    batches: list[list[int]] = []
+
+    async def step(batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
+        batches.append(sorted({v for t in batch for v in t.versions if v >= 0}))
+        await asyncio.sleep(step_s)
+        return {}
+
+    async def publish(version: int) -> float:
+        await asyncio.sleep(0.01)  # an episode started now would sample old weights
+        return 0.01
+
+    async def on_step(step: int, m: dict[str, float]) -> None:
+        seen.append((m["staleness/min"], m["staleness/max"]))
+
+    asyncio.run(orch.train(steps, 4, step, publish, on_step=on_step))
+    return seen, batches
+
+
+@pytest.mark.parametrize("step_s, token_s", [(0.05, 0.001), (0.001, 0.01)])
+def test_fixed_staleness_is_exact_whether_trainer_or_rollouts_are_slower(
+    step_s: float, token_s: float
+) -> None:
+    seen, batches = _lockstep(step_s=step_s, token_s=token_s, max_lag=3)
+    # batches 0-3 were sampled at version 0, taken at versions 0, 1, 2, 3; from
+    # then on batch s was sampled at version s - 3: staleness exactly 3
+    assert seen == [(0, 0), (1, 1), (2, 2), (3, 3)] + [(3, 3)] * 6
+    # one version per batch: no episode spanned an update
+    assert batches == [[0], [0], [0], [0], [1], [2], [3], [4], [5], [6]]
+
+
+def test_fixed_staleness_zero_is_synchronous() -> None:
+    seen, batches = _lockstep(step_s=0.001, token_s=0.001, max_lag=0, steps=5)
+    assert seen == [(0, 0)] * 5 and batches == [[0], [1], [2], [3], [4]]
+
+
+def test_fixed_staleness_waits_for_groups_refilled_after_a_filtered_one() -> None:
+    # groups of 2, every fourth prompt's group filtered (equal rewards): its
+    # capacity is given back and refilled before the trainer publishes
+    seen, batches = _lockstep(step_s=0.005, token_s=0.002, max_lag=2, group=2, steps=8)
+    assert seen == [(0, 0), (1, 1)] + [(2, 2)] * 6
+    assert batches == [[0], [0], [0], [1], [2], [3], [4], [5]]
+
+
+def test_lockstep_refuses_a_just_in_time_controller() -> None:
+    gate = StalenessGate(max_lag=1, batch_size=2)
+    with pytest.raises(ValueError, match="lockstep"):
+        Orchestrator(
+            _Instant(),
+            SamplingParams(),
+            gate=gate,
+            buffer=TrajectoryBuffer(gate, group_size=1, dynamic_sampling=False),
+            in_flight=4,
+            group_size=1,
+            seed=0,
+            admission=JustInTime(1),
+            lockstep=True,
+        )
