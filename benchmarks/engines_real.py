@@ -32,6 +32,7 @@ import aiohttp
 import torch
 from transformers import DynamicCache
 
+from benchmarks.trainer_step import gemm_rate
 from sao.app.engines import VLLM_CPU_PYTHON
 from sao.models.cache import sao_home
 from sao.models.loading import load_policy, load_tokenizer
@@ -56,8 +57,14 @@ def prompts(tok: object, n: int) -> list[list[int]]:
     return out
 
 
-async def embedded(model: torch.nn.Module, ps: list[list[int]], b: int, new: int) -> float:
-    """Tokens/s of the embedded engine, ``b`` requests in flight."""
+Replies = list[tuple[int, ...]]
+"""The token ids of each request's reply, in prompt order."""
+
+
+async def embedded(
+    model: torch.nn.Module, ps: list[list[int]], b: int, new: int
+) -> tuple[float, Replies]:
+    """Tokens/s of the embedded engine, ``b`` requests in flight, and its replies."""
     engine = TorchEngine(model, max_batch_size=b, max_seq_len=256)
     engine.eos_token_ids = ()  # no stop ids: every request runs ``new`` tokens
     sp = SamplingParams(top_k=1, max_new_tokens=new)
@@ -71,7 +78,7 @@ async def embedded(model: torch.nn.Module, ps: list[list[int]], b: int, new: int
     finally:
         await engine.aclose()
     assert all(len(c.token_ids) == new for c in outs)
-    return len(outs) * new / wall
+    return len(outs) * new / wall, [c.token_ids for c in outs]
 
 
 def hf_generate(model: torch.nn.Module, ps: list[list[int]], b: int, new: int, pad: int) -> float:
@@ -90,26 +97,62 @@ def hf_generate(model: torch.nn.Module, ps: list[list[int]], b: int, new: int, p
     return len(ps) * new / (time.perf_counter() - t0)
 
 
-async def vllm(url: str, name: str, ps: list[list[int]], b: int, new: int) -> float:
-    """Tokens/s of a vLLM server, ``b`` concurrent ``/v1/completions`` requests."""
-    body = dict(model=name, max_tokens=new, temperature=0.0, ignore_eos=True, logprobs=0)
+async def vllm(url: str, name: str, ps: list[list[int]], b: int, new: int) -> tuple[float, Replies]:
+    """Tokens/s of a vLLM server, ``b`` concurrent ``/v1/completions`` requests,
+    and its replies (token ids: ``return_tokens_as_token_ids``)."""
+    body = dict(
+        model=name, temperature=0.0, ignore_eos=True, logprobs=0, return_tokens_as_token_ids=True
+    )
 
-    async def one(s: aiohttp.ClientSession, p: list[int], n: int) -> int:
+    async def one(s: aiohttp.ClientSession, p: list[int], n: int) -> tuple[int, ...]:
         async with s.post(
             url + "/v1/completions", json={**body, "prompt": p, "max_tokens": n}
         ) as r:
             r.raise_for_status()
-            return len((await r.json())["choices"][0]["logprobs"]["token_logprobs"])
+            tokens = (await r.json())["choices"][0]["logprobs"]["tokens"]
+            return tuple(int(t.removeprefix("token_id:")) for t in tokens)
 
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=1800)) as s:
         await one(s, ps[0], 4)
         t0 = time.perf_counter()
-        counts = []
+        replies: Replies = []
         for i in range(0, len(ps), b):
-            counts += await asyncio.gather(*(one(s, p, new) for p in ps[i : i + b]))
+            replies += await asyncio.gather(*(one(s, p, new) for p in ps[i : i + b]))
         wall = time.perf_counter() - t0
-    assert counts == [new] * len(ps), counts
-    return len(ps) * new / wall
+    assert [len(r) for r in replies] == [new] * len(ps)
+    return len(ps) * new / wall, replies
+
+
+def copy_bandwidth(mib: int = 512, repeats: int = 5) -> float:
+    """Bytes moved (read + written) per second by a ``mib`` MiB tensor copy, the
+    best of ``repeats`` (STREAM's Copy, far larger than the caches)."""
+    a = torch.ones(mib * 2**20 // 4)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * a.numel() * 4 / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes a decode step reads at least once: every distinct weight tensor
+    (tied embeddings count once; the embedding row lookup is counted whole, as
+    the tied LM head reads it all)."""
+    seen = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(seen.values())
+
+
+def same_replies(a: Replies, b: Replies) -> str:
+    """``"64/64 requests equal"`` or where the first difference is."""
+    equal = sum(x == y for x, y in zip(a, b, strict=True))
+    first = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), None)
+    if first is None:
+        return f"{equal}/{len(a)} requests token for token equal"
+    at = next(j for j, (x, y) in enumerate(zip(a[first], b[first], strict=False)) if x != y)
+    return f"{equal}/{len(a)} requests equal; request {first} differs from token {at}"
 
 
 def decode_split(model: torch.nn.Module, b: int, context: int = 48, reps: int = 9) -> dict:
@@ -139,11 +182,15 @@ async def run(args: argparse.Namespace) -> dict[str, dict[int, float]]:
     tok, model = load_tokenizer(args.model), load_policy(args.model).eval()
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     results: dict[str, dict[int, float]] = {"embedded": {}, "HF generate": {}}
+    replies: dict[int, Replies] = {}
     for b in BATCHES:
         ps = prompts(tok, max(b, args.min_requests))
-        results["embedded"][b] = await embedded(model, ps, b, args.new)
-        results["HF generate"][b] = hf_generate(model, ps, b, args.new, pad)
+        results["embedded"][b], replies[b] = await embedded(model, ps, b, args.new)
+        if not args.no_generate:
+            results["HF generate"][b] = hf_generate(model, ps, b, args.new, pad)
         print(f"  batch {b}: embedded and generate done", flush=True)
+    if args.no_generate:
+        del results["HF generate"]
     py = args.vllm_python
     if py and Path(py).is_file():
         results["vLLM (CPU)"] = {}
@@ -156,7 +203,9 @@ async def run(args: argparse.Namespace) -> dict[str, dict[int, float]]:
                 name = (await r.json())["data"][0]["id"]
             for b in BATCHES:
                 ps = prompts(tok, max(b, args.min_requests))
-                results["vLLM (CPU)"][b] = await vllm(server.url, name, ps, b, args.new)
+                results["vLLM (CPU)"][b], theirs = await vllm(server.url, name, ps, b, args.new)
+                same = same_replies(replies[b], theirs)
+                print(f"  batch {b}, greedy replies against vLLM: {same}")
     return results
 
 
@@ -169,6 +218,7 @@ def main() -> None:
     default_py = os.environ.get("SAO_VLLM_PYTHON") or str(sao_home() / VLLM_CPU_PYTHON)
     ap.add_argument("--vllm-python", default=default_py)
     ap.add_argument("--log-dir", default="/tmp/sao-engines-real")
+    ap.add_argument("--no-generate", action="store_true", help="skip Hugging Face generate")
     args = ap.parse_args()
     if not args.model:
         ap.error("--model: the SmolLM2 directory `sao models fetch smollm2-135m` prints")
@@ -184,6 +234,26 @@ def main() -> None:
         cells = "".join(f"{r[b]:>13.1f}{r[b] / results['embedded'][b]:>7.2f}" for b in BATCHES)
         print(name.ljust(14) + cells)
     model = load_policy(args.model).eval()
+    bw, nbytes = copy_bandwidth(), weight_bytes(model)
+    bound_ms = 1e3 * nbytes / bw
+    ms_1 = 1e3 / results["embedded"][1]
+    print(
+        f"\nmemory: a 512 MiB copy moves {bw / 1e9:.1f} GB/s (read + written); the weights are "
+        f"{nbytes / 1e6:.0f} MB, so a batch-1 decode step needs >= {bound_ms:.1f} ms. Embedded "
+        f"engine at batch 1: {ms_1:.1f} ms per token = {ms_1 / bound_ms:.2f}x the bound"
+    )
+    flops_tok = (
+        2 * sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
+        + 2 * model.get_input_embeddings().weight.numel()
+    )  # the tied LM head
+    rate = gemm_rate(2048)
+    big = max(BATCHES)
+    used = results["embedded"][big] * flops_tok
+    print(
+        f"compute: a 2048^3 float32 torch.mm runs {rate / 1e9:.1f} GFLOP/s; the embedded engine "
+        f"at batch {big} does {used / 1e9:.1f} GFLOP/s of GEMM work ({flops_tok / 1e6:.0f} MFLOP "
+        f"per token) = {used / rate:.0%} of that rate"
+    )
     print("\none decode step (Hugging Face model, 48 cached positions), ms; share of the step")
     print("batch".ljust(7) + "".join(f"{k:>22}" for k in ("backbone", "lm_head", "softmax+argmax")))
     for b in BATCHES:

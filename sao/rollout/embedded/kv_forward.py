@@ -106,6 +106,24 @@ def _layer_windows(model: nn.Module) -> list[int | None]:
     return windows
 
 
+def _fuse(mods: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """One weight ``[sum of outs, in]`` (and bias) holding the linears ``mods``,
+    whose own weights become views of it, so that an in-place weight update of
+    any of them lands in the fused copy; None when their inputs or biases differ."""
+    if len({m.weight.shape[1] for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
+        return None
+    w = torch.cat([m.weight.data for m in mods])
+    b = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
+    at = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight.data = w[at : at + n]
+        if b is not None:
+            m.bias.data = b[at : at + n]
+        at += n
+    return w, b
+
+
 class StaticKVForward:
     """Batched cached forward for Llama-family decoders over static KV slots.
 
@@ -139,20 +157,36 @@ class StaticKVForward:
         shape = (len(self.backbone.layers), max_batch_size, self.n_kv, max_seq_len, self.head_dim)
         self.k_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         self.v_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
+        # q/k/v and gate/up projections as one matmul each (the modules' weights
+        # become views of the fused ones: weight updates copied into them land there)
+        self.qkv = [
+            _fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
+            for layer in self.backbone.layers
+        ]
+        self.gate_up = [
+            _fuse([layer.mlp.gate_proj, layer.mlp.up_proj])
+            if all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
+            else None
+            for layer in self.backbone.layers
+        ]
 
     @property
     def device(self) -> torch.device:
         return self.k_cache.device
 
     def _qkv(
-        self, layer: Any, x_NTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self, i: int, x_NTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projected, normed and rotated ``q [N,H,T,D]``, ``k, v [N,K,T,D]``."""
-        attn = layer.self_attn
+        """Projected, normed and rotated ``q [N,H,T,D]``, ``k, v [N,K,T,D]`` of layer ``i``."""
+        attn = self.backbone.layers[i].self_attn
         N, T, _ = x_NTC.shape
-        q = attn.q_proj(x_NTC).view(N, T, self.n_heads, self.head_dim)
-        k = attn.k_proj(x_NTC).view(N, T, self.n_kv, self.head_dim)
-        v = attn.v_proj(x_NTC).view(N, T, self.n_kv, self.head_dim)
+        H, K, D = self.n_heads, self.n_kv, self.head_dim
+        fused = self.qkv[i]
+        if fused is None:
+            q, k, v = attn.q_proj(x_NTC), attn.k_proj(x_NTC), attn.v_proj(x_NTC)
+        else:
+            q, k, v = F.linear(x_NTC, *fused).split([H * D, K * D, K * D], dim=-1)
+        q, k, v = q.view(N, T, H, D), k.view(N, T, K, D), v.view(N, T, K, D)
         if self.qk_norm:
             q, k = attn.q_norm(q), attn.k_norm(k)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -188,12 +222,20 @@ class StaticKVForward:
         cos, sin = self.backbone.rotary_emb(h_NTC, pos_NT)
         for i, layer in enumerate(self.backbone.layers):
             x = layer.input_layernorm(h_NTC)
-            q, k, v = self._qkv(layer, x, cos, sin)
+            q, k, v = self._qkv(i, x, cos, sin)
             k_all, v_all = kv_io(i, k, v)
             attn_out = self._attend(q, k_all, v_all, masks[self.windows[i]])
             h_NTC = h_NTC + layer.self_attn.o_proj(attn_out)
-            h_NTC = h_NTC + layer.mlp(layer.post_attention_layernorm(h_NTC))
+            h_NTC = h_NTC + self._mlp(i, layer.post_attention_layernorm(h_NTC))
         return self.backbone.norm(h_NTC)
+
+    def _mlp(self, i: int, x_NTC: torch.Tensor) -> torch.Tensor:
+        """Layer ``i``'s gated MLP, gate and up projections as one matmul."""
+        mlp, fused = self.backbone.layers[i].mlp, self.gate_up[i]
+        if fused is None:
+            return cast(torch.Tensor, mlp(x_NTC))
+        gate, up = F.linear(x_NTC, *fused).chunk(2, dim=-1)
+        return cast(torch.Tensor, mlp.down_proj(mlp.act_fn(gate) * up))
 
     def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor) -> Masks:
         """Boolean masks ``[N, 1, Tq, Tk]`` per window size: causal, valid keys,

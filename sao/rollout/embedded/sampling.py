@@ -51,6 +51,12 @@ def sampling_logprobs(
     use_p_B = top_p_B < 1.0
     if not bool(use_k_B.any()) and not bool(use_p_B.any()):
         return torch.log_softmax(scaled_BV, dim=-1)
+    if not bool(use_p_B.any()):  # top-k alone: the k-th largest needs no full sort
+        k_B = torch.where(use_k_B, top_k_B, 1).clamp(1, V)
+        top_BK = torch.topk(scaled_BV, int(k_B.max()), dim=-1).values
+        kth_B1 = top_BK.gather(-1, (k_B - 1).unsqueeze(-1))
+        kth_B1 = torch.where(use_k_B.unsqueeze(-1), kth_B1, float("-inf"))
+        return torch.log_softmax(scaled_BV.masked_fill(scaled_BV < kth_B1, float("-inf")), dim=-1)
     sorted_BV, order_BV = torch.sort(scaled_BV, dim=-1, descending=True)
     keep_sorted_BV = torch.ones_like(sorted_BV, dtype=torch.bool)
     if bool(use_k_B.any()):

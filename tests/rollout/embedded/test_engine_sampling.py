@@ -8,6 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from sao.rollout.embedded.sampling import (
     StopStringMatcher,
@@ -58,6 +60,41 @@ def test_top_k_keeps_ties_and_rows_are_independent() -> None:
     assert logp[0].tolist() == pytest.approx([math.log(0.5), math.log(0.5), NEG_INF])
     assert torch.allclose(logp[1], torch.log_softmax(torch.tensor(logits[1]), -1))
     assert logp[2].tolist() == [NEG_INF, 0.0, NEG_INF]
+
+
+def test_top_k_alone_keeps_ties_without_a_full_sort() -> None:
+    # no row uses top-p: the k-th largest comes from torch.topk. Row 0: top_k=1
+    # with a tie keeps both maxima; row 1: top_k=2 of (3, 1, 1, 0) keeps 3 and
+    # both 1s (ties at the boundary): softmax over (3, 1, 1); row 2: unfiltered.
+    logits = [[1.0, 1.0, 0.0, -1.0], [1.0, 3.0, 0.0, 1.0], [0.0, 1.0, 2.0, 3.0]]
+    logp = _process(logits, [1.0, 1.0, 1.0], [1, 2, 0], [1.0, 1.0, 1.0])
+    assert logp[0].tolist() == pytest.approx([math.log(0.5), math.log(0.5), NEG_INF, NEG_INF])
+    z = math.log(math.exp(3) + 2 * math.exp(1))
+    assert logp[1].tolist() == pytest.approx([1 - z, 3 - z, NEG_INF, 1 - z], abs=1e-6)
+    assert torch.allclose(logp[2], torch.log_softmax(torch.tensor(logits[2]), -1))
+
+
+@given(
+    st.integers(1, 6),
+    st.integers(2, 40),
+    st.integers(0, 2**31 - 1),
+)
+def test_top_k_fast_path_equals_the_sorted_path(rows: int, vocab: int, seed: int) -> None:
+    # rows are independent, so the same rows with one extra top-p row (which
+    # sends the whole batch through the sorting path) must come out the same
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randint(-3, 4, (rows, vocab), generator=g).float()  # many ties
+    top_k = torch.randint(0, vocab + 2, (rows,), generator=g)
+    temperature = torch.rand(rows, generator=g) + 0.5
+    fast = sampling_logprobs(logits, temperature, top_k, torch.ones(rows))
+    slow = sampling_logprobs(
+        torch.cat([logits, logits[:1]]),
+        torch.cat([temperature, temperature[:1]]),
+        torch.cat([top_k, torch.zeros(1, dtype=top_k.dtype)]),
+        torch.cat([torch.ones(rows), torch.tensor([0.5])]),
+    )[:rows]
+    assert torch.equal(fast.isinf(), slow.isinf())
+    assert torch.allclose(fast, slow, atol=1e-6)
 
 
 def test_top_p_boundary_is_strict() -> None:
