@@ -256,6 +256,9 @@ def _experiment(args: argparse.Namespace) -> int:
                 )
         for path in write_report(Path(args.report)):
             print(path)
+        from sao.experiments.claims import verdicts_md
+
+        print("\n".join(["", *verdicts_md([args.report])]))
         return 0
     if bool(args.name) == bool(args.file):
         raise ConfigError("give an experiment name or --file GRID.toml (see --list)")

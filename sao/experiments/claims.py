@@ -229,16 +229,25 @@ def claims_md(claims: Sequence[str], outcomes: Sequence[Outcome]) -> list[str]:
         "by seed. Contrast: the claim's left side minus its right side (held-out success, "
         "or 1/0 collapsed), mean [95% t-interval]; p: the two-sided exact sign test. "
         "A claim on success is reproduced only where the interval lies above 0 (reversed: "
-        "below); a collapse claim where the sign test gives p < 0.05 (docs/experiments.md).",
+        "below); a collapse claim where the sign test gives p < 0.05 (docs/experiments.md). "
+        "For a claim on final success, the same contrast of best success is shown beside "
+        "it; it does not enter the verdict.",
         "",
-        "| claim | measure | seeds | contrast | p (sign) | verdict |",
-        "|---|---|---|---|---|---|",
+        "| claim | measure | seeds | contrast | p (sign) | verdict | best: contrast | p (sign) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    best = values(outcomes, "best")
     for v in verdicts:
         body = v.claim.text.partition(":")[2] if ":" in v.claim.text else v.claim.text
+        side = ["", ""]
+        if v.claim.measure == "final":
+            b = judge(Claim(v.claim.text, "best", v.claim.weights), best).paired
+            side = [b.stats.cell(), f"{b.p_sign:.3g}"]
         out.append(
             f"| `{body.strip()}` | {v.claim.measure} | {len(v.paired.seeds)} "
-            f"| {v.paired.stats.cell()} | {v.paired.p_sign:.3g} | **{v.word}** |"
+            f"| {v.paired.stats.cell()} | {v.paired.p_sign:.3g} | **{v.word}** | "
+            + " | ".join(side)
+            + " |"
         )
     out += ["", f"Verdict: {summary(verdicts)}.", ""]
     out += ["| arm | collapsed | 95% exact interval |", "|---|---|---|"]
@@ -275,4 +284,5 @@ def verdicts_md(dirs: Sequence[str | PathLike[str]]) -> list[str]:
                 f"| **{v.word}** |"
             )
         totals.append(f"`{meta['name']}`: {summary(verdicts) if verdicts else 'no claims stated'}")
-    return [*out, "", *(f"- {t}" for t in totals)]
+    table = [*out, ""] if len(out) > 2 else []
+    return [*table, *(f"- {t}" for t in totals)]

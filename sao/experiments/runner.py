@@ -252,4 +252,7 @@ def run_experiment(
 
     written = write_report(exp_dir)
     echo(f"report: {', '.join(str(p) for p in written[:2])} and {len(written) - 2} plots")
+    from sao.experiments.claims import verdicts_md
+
+    echo("\n".join(["", *verdicts_md([exp_dir])]))
     return failed

@@ -144,6 +144,8 @@ def test_claims_read_from_results_csv_give_the_same_verdicts() -> None:
     assert summary(verdicts).startswith("1 of 3 claims reproduced, 2 not separated, 0 reversed")
     md = "\n".join(claims_md(claims, outcomes))
     assert "| `b` | 2/4 |" in md and "| `a > b` | final | 4 |" in md
+    # beside the final claim, its best contrast: 0, .01, .02, .03 -> 0.015 [-0.006, 0.036]
+    assert "**reproduced** | 0.015 ± 0.013 [-0.006, 0.036] | 0.25 |" in md
 
 
 def test_verdicts_table_from_copies_of_experiment_json_and_results_csv(tmp_path) -> None:  # type: ignore[no-untyped-def]
