@@ -117,6 +117,8 @@ def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> Ru
     }
     if ev := curve("critic/explained_variance"):
         curves["critic/explained_variance"] = ev
+    if stale := curve("staleness/mean"):
+        curves["staleness/mean"] = stale
     for key in sorted({k for r in history for k in r if k.startswith(STYLE_PREFIX)}):
         curves[key] = curve(key)
     path = run_dir / "experiment_attempts.jsonl"
@@ -297,8 +299,8 @@ def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
         ),
         "",
         "| arm | seeds | initial held-out | final held-out | best held-out "
-        "| final train reward | collapsed | wall min (mean) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| final train reward | collapsed | staleness (mean) | wall min (mean) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in exp.arms:
         rs = [r for r in runs if r.arm == arm]
@@ -312,10 +314,16 @@ def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
             f"| `{arm}` | {len(rs)} | {Stats.of([r.initial_success for r in rs]).cell()} "
             f"| {Stats.of([r.final_success for r in rs]).cell()} "
             f"| {Stats.of([r.best_success for r in rs]).cell()} "
-            f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} "
+            f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} | {_staleness(rs)} "
             f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} |"
         )
     return out
+
+
+def _staleness(runs: Sequence[RunResult]) -> str:
+    """Mean staleness over every actor step of ``runs`` ("n/a" where not logged)."""
+    values = [v for r in runs for step, v in r.curves.get("staleness/mean", []) if step > 0]
+    return f"{sum(values) / len(values):.2f}" if values else "n/a"
 
 
 def paired_md(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
@@ -389,6 +397,7 @@ _LABELS = {
     "eval/success": "held-out success (greedy)",
     "train/reward_mean": f"train reward ({REWARD_WINDOW}-step mean)",
     "critic/explained_variance": "critic explained variance",
+    "staleness/mean": "staleness (versions behind, batch mean)",
 }
 
 

@@ -322,6 +322,7 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
         "results.csv",
         "results.md",
         "reward.png",
+        "staleness.png",
     ]
     for name in before:
         (out / name).unlink()
