@@ -229,9 +229,10 @@ def _config(args: argparse.Namespace) -> int:
 
 def _experiment(args: argparse.Namespace) -> int:
     from sao.experiments import grid as ex
+    from sao.experiments.named import EXPERIMENTS, get_experiment
 
     if args.list:
-        print("\n\n".join(ex.describe(e) for e in ex.EXPERIMENTS.values()))
+        print("\n\n".join(ex.describe(e) for e in EXPERIMENTS.values()))
         return 0
     if args.verdicts:
         from sao.experiments.claims import verdicts_md
@@ -244,7 +245,7 @@ def _experiment(args: argparse.Namespace) -> int:
         from sao.experiments.report import write_report
 
         meta = ex.load_meta(Path(args.report))
-        named = ex.EXPERIMENTS.get(str(meta.get("name")))
+        named = EXPERIMENTS.get(str(meta.get("name")))
         if named is not None:  # its current wording and claims, if its runs were made alike
             try:
                 overrides = meta.get("overrides", [])
@@ -262,7 +263,7 @@ def _experiment(args: argparse.Namespace) -> int:
         return 0
     if bool(args.name) == bool(args.file):
         raise ConfigError("give an experiment name or --file GRID.toml (see --list)")
-    exp = ex.load_grid(args.file) if args.file else ex.get_experiment(args.name)
+    exp = ex.load_grid(args.file) if args.file else get_experiment(args.name)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()] if args.arms else None
     from sao.experiments.runner import run_experiment
 

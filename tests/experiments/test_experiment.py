@@ -14,14 +14,8 @@ import pytest
 
 from sao.cli import main
 from sao.config import ConfigError
-from sao.experiments.grid import (
-    EXPERIMENTS,
-    Experiment,
-    claim_dir,
-    get_experiment,
-    load_grid,
-    plan,
-)
+from sao.experiments.grid import Experiment, claim_dir, load_grid, plan
+from sao.experiments.named import EXPERIMENTS, get_experiment
 from sao.experiments.report import (
     RunResult,
     Stats,
