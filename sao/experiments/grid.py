@@ -335,4 +335,6 @@ def describe(exp: Experiment) -> str:
         f"  cost: {exp.cost}",
         f"  claim: {exp.claim}",
     ]
+    if exp.claims:
+        lines.append(f"  judged claims: {'; '.join(exp.claims)}")
     return "\n".join(lines)
