@@ -142,11 +142,14 @@ def judge(claim: Claim, values: Mapping[str, Mapping[int, float]]) -> Verdict:
 
 
 def summary(verdicts: Sequence[Verdict]) -> str:
-    """``"2 of 5 claims reproduced, 3 not separated, 0 reversed"``."""
+    """``"2 of 5 claims reproduced, 3 not separated, 0 reversed"``, and how many
+    could not be judged yet (fewer than two seeds with every arm of the claim)."""
     rep = sum(v.word == "reproduced" for v in verdicts)
     rev = sum(v.word == "reversed" for v in verdicts)
-    rest = len(verdicts) - rep - rev
-    return f"{rep} of {len(verdicts)} claims reproduced, {rest} not separated, {rev} reversed"
+    unjudged = sum(len(v.paired.seeds) < 2 for v in verdicts)
+    rest = len(verdicts) - rep - rev - unjudged
+    text = f"{rep} of {len(verdicts)} claims reproduced, {rest} not separated, {rev} reversed"
+    return text + (f", {unjudged} not yet judged (under 2 seeds)" if unjudged else "")
 
 
 def _binom_cdf(k: int, n: int, p: float) -> float:

@@ -141,6 +141,10 @@ def test_claims_read_from_results_csv_give_the_same_verdicts() -> None:
     ]
     assert verdicts[1].paired.p_sign == pytest.approx(0.5)  # 2 of 4 collapsed: 2 * 1/4
     assert verdicts[2].paired.stats.low == pytest.approx(-0.0355, abs=1e-3)
+    one_seed = judge(Claim.parse("a > b"), {"a": {0: 1.0}, "b": {0: 0.0}})
+    assert summary([*verdicts, one_seed]).endswith(
+        "2 not separated, 0 reversed, 1 not yet judged (under 2 seeds)"
+    )
     assert summary(verdicts).startswith("1 of 3 claims reproduced, 2 not separated, 0 reversed")
     md = "\n".join(claims_md(claims, outcomes))
     assert "| `b` | 2/4 |" in md and "| `a > b` | final | 4 |" in md
