@@ -102,9 +102,9 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "sao_jit > grpo_jit",
             ),
             cost=(
-                "~2 min per 100 steps alone (GRPO), ~2x with 2 at a time; 80 runs for 8 seeds: "
-                "run --arms sao_k0,grpo_k0,sao_k4,grpo_k4 first (the staleness question), "
-                "then the rest; the grid resumes"
+                "~4 h for 8 seeds, 2 at a time: a run takes ~7 min (SAO) / ~4 min (GRPO, "
+                "more when it collapses); --arms sao_k0,grpo_k0,sao_k4,grpo_k4 first (the "
+                "staleness question, ~95 min), then the rest; the grid resumes"
             ),
         ),
         Experiment(
