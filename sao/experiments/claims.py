@@ -29,11 +29,15 @@ verdict, and its summary counts them (:func:`summary`).
 
 from __future__ import annotations
 
+import csv
+import io
+import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from os import PathLike
+from pathlib import Path
 
 from sao.experiments.results import Paired, Stats, sign_test
 
@@ -99,6 +103,11 @@ class Claim:
                 )
         return cls(text.strip(), measure, tuple(weights.items()))
 
+    @property
+    def body(self) -> str:
+        """The comparison without its ``measure:`` prefix."""
+        return self.text.partition(":")[2].strip() if ":" in self.text else self.text
+
     def contrast(self, values: Mapping[str, Mapping[int, float]]) -> dict[int, float]:
         """seed -> the contrast, for the seeds where every arm of the claim has a
         finite value (``values``: arm -> seed -> value)."""
@@ -156,12 +165,12 @@ def _binom_cdf(k: int, n: int, p: float) -> float:
     return sum(math.comb(n, i) * p**i * (1 - p) ** (n - i) for i in range(k + 1))
 
 
-def _solve(f: object, target: float) -> float:
+def _solve(f: Callable[[float], float], target: float) -> float:
     """The p in [0, 1] where the increasing ``f(p)`` reaches ``target`` (bisection)."""
     lo, hi = 0.0, 1.0
     for _ in range(60):
         mid = (lo + hi) / 2
-        if f(mid) < target:  # type: ignore[operator]
+        if f(mid) < target:
             lo = mid
         else:
             hi = mid
@@ -193,8 +202,6 @@ class Outcome:
 
 def outcomes_csv(text: str) -> list[Outcome]:
     """The outcomes of a report's ``results.csv``."""
-    import csv
-    import io
 
     def num(x: str) -> float:
         return float(x) if x else math.nan
@@ -241,13 +248,12 @@ def claims_md(claims: Sequence[str], outcomes: Sequence[Outcome]) -> list[str]:
     ]
     best = values(outcomes, "best")
     for v in verdicts:
-        body = v.claim.text.partition(":")[2] if ":" in v.claim.text else v.claim.text
         side = ["", ""]
         if v.claim.measure == "final":
             b = judge(Claim(v.claim.text, "best", v.claim.weights), best).paired
             side = [b.stats.cell(), f"{b.p_sign:.3g}"]
         out.append(
-            f"| `{body.strip()}` | {v.claim.measure} | {len(v.paired.seeds)} "
+            f"| `{v.claim.body}` | {v.claim.measure} | {len(v.paired.seeds)} "
             f"| {v.paired.stats.cell()} | {v.paired.p_sign:.3g} | **{v.word}** | "
             + " | ".join(side)
             + " |"
@@ -266,9 +272,6 @@ def verdicts_md(dirs: Sequence[str | PathLike[str]]) -> list[str]:
     """One table of every pre-stated claim of the experiment directories ``dirs``
     (each holding ``experiment.json`` and the report's ``results.csv``; a copy of
     those two files is enough), for a status page."""
-    import json
-    from pathlib import Path
-
     out = [
         "| experiment | claim | measure | seeds | contrast [95% interval] | p (sign) | verdict |",
         "|---|---|---|---|---|---|---|",
@@ -280,9 +283,8 @@ def verdicts_md(dirs: Sequence[str | PathLike[str]]) -> list[str]:
         outcomes = outcomes_csv((d / "results.csv").read_text())
         verdicts = judge_all(claims, outcomes)
         for v in verdicts:
-            body = v.claim.text.partition(":")[2] if ":" in v.claim.text else v.claim.text
             out.append(
-                f"| `{meta['name']}` | `{body.strip()}` | {v.claim.measure} "
+                f"| `{meta['name']}` | `{v.claim.body}` | {v.claim.measure} "
                 f"| {len(v.paired.seeds)} | {v.paired.stats.cell()} | {v.paired.p_sign:.3g} "
                 f"| **{v.word}** |"
             )

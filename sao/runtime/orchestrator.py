@@ -376,12 +376,7 @@ class Orchestrator:
                 metrics = await self._guarded(step_fn(batch, train_actor), guards)
                 metrics["time/train_step_s"] = time.perf_counter() - t1
                 if self.lockstep:
-                    self.doing = (
-                        f"waiting for the rollouts that run during step {self.consumed + 1}"
-                    )
-                    t2 = time.perf_counter()
-                    await self._guarded(self._generated(), guards)
-                    metrics["time/lockstep_wait_s"] = time.perf_counter() - t2
+                    metrics["time/lockstep_wait_s"] = await self._guarded(self._generated(), guards)
                 self.consumed += 1
                 if train_actor:
                     self.version += 1
@@ -401,14 +396,17 @@ class Orchestrator:
                 guard.cancel()
             await self.cancel_episodes()
 
-    async def _generated(self) -> None:
+    async def _generated(self) -> float:
         """Wait until every episode the gate admits before the next release has
-        finished (lockstep): none running and no capacity left to start one."""
-        G = self.group_size
+        finished (lockstep): none running and no capacity left to start one.
+        Returns the seconds waited."""
+        self.doing = f"waiting for the rollouts that run during step {self.consumed + 1}"
+        t0, G = time.perf_counter(), self.group_size
         while self._running > 0 or self.gate.can_start(self.released, G):
             self._ended.clear()
             self._wake.set()  # a rejected episode's capacity may be waiting to refill
             await self._ended.wait()
+        return time.perf_counter() - t0
 
     async def _guarded(self, work: Awaitable[_T], guards: set[asyncio.Task[None]]) -> _T:
         """``await work``, unless the producer or the watchdog stops first: then

@@ -109,19 +109,22 @@ class _Instant:
         return {}
 
 
+def _orchestrator(
+    runner: Any, gate: StalenessGate, *, in_flight: int, group: int = 1, **kw: Any
+) -> Orchestrator:
+    """An orchestrator over ``runner``; groups of ``group`` are filtered when all
+    equal (dynamic sampling) if ``group > 1``."""
+    buffer = TrajectoryBuffer(gate, group_size=group, dynamic_sampling=group > 1)
+    return Orchestrator(
+        runner, SamplingParams(), gate=gate, buffer=buffer, in_flight=in_flight,
+        group_size=group, seed=0, **kw,
+    )  # fmt: skip
+
+
 def _staleness(admission: JustInTime | None) -> list[float]:
     """Staleness per step of 12 steps of a trainer much slower than its episodes."""
     gate = StalenessGate(max_lag=3, batch_size=4)
-    orch = Orchestrator(
-        _Instant(),
-        SamplingParams(),
-        gate=gate,
-        buffer=TrajectoryBuffer(gate, group_size=1, dynamic_sampling=False),
-        in_flight=64,
-        group_size=1,
-        seed=0,
-        admission=admission,
-    )
+    orch = _orchestrator(_Instant(), gate, in_flight=64, admission=admission)
     seen: list[float] = []
 
     async def step(batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
@@ -185,16 +188,8 @@ def _lockstep(
     """(min, max) staleness per step and each batch's token versions, in lockstep."""
     gate = StalenessGate(max_lag=max_lag, batch_size=4)
     runner = _Tokens(token_s)
-    orch = Orchestrator(
-        runner,
-        SamplingParams(),
-        gate=gate,
-        buffer=TrajectoryBuffer(gate, group_size=group, dynamic_sampling=group > 1),
-        in_flight=6,  # fewer than the episodes admitted ahead: they queue
-        group_size=group,
-        seed=0,
-        lockstep=True,
-    )
+    # in_flight 6: fewer than the episodes admitted ahead, so they queue
+    orch = _orchestrator(runner, gate, in_flight=6, group=group, lockstep=True)
     seen: list[tuple[float, float]] = []
     batches: list[list[int]] = []
 
@@ -242,14 +237,4 @@ def test_fixed_staleness_waits_for_groups_refilled_after_a_filtered_one() -> Non
 def test_lockstep_refuses_a_just_in_time_controller() -> None:
     gate = StalenessGate(max_lag=1, batch_size=2)
     with pytest.raises(ValueError, match="lockstep"):
-        Orchestrator(
-            _Instant(),
-            SamplingParams(),
-            gate=gate,
-            buffer=TrajectoryBuffer(gate, group_size=1, dynamic_sampling=False),
-            in_flight=4,
-            group_size=1,
-            seed=0,
-            admission=JustInTime(1),
-            lockstep=True,
-        )
+        _orchestrator(_Instant(), gate, in_flight=4, admission=JustInTime(1), lockstep=True)
