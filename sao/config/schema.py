@@ -207,6 +207,14 @@ class RolloutConfig(_Section):
     """Engine decode slots (continuous batching)."""
     recompute_kv_on_update: bool = False
     """Re-prefill in-flight requests after a weight update (default: keep their KV cache)."""
+    engine_dtype: Literal["model", "bfloat16"] = "model"
+    """Dtype of the embedded engine's weight copy: ``model`` (the trainer's: exact) or
+    ``bfloat16`` (half the bytes per decoded token; the engine's log-probs then differ from
+    the float32 trainer's, which the DIS ratio absorbs, and the log-prob check's budget
+    becomes bfloat16's, see ``train.logprob_budget``). Embedded engine only."""
+    engine_compile: bool = False
+    """``torch.compile`` the embedded engine's decoder-layer kernels (compiled once per
+    process, on first use, logged with its time; eager where compiling fails)."""
     engine: Literal["torch", "http", "vllm", "sglang"] = "torch"
     """Rollout engine: the embedded torch engine, or servers over HTTP (`sao serve`, vLLM,
     SGLang) given by ``servers`` or started by ``launch``."""
@@ -234,6 +242,15 @@ class RolloutConfig(_Section):
     """Address the servers reach the trainer on for ``weight_transfer=broadcast``
     (backend=local; with backend=ray the trainer's rank 0 hosts the group at its node's
     address)."""
+
+    @model_validator(mode="after")
+    def _embedded_only(self) -> RolloutConfig:
+        if self.engine != "torch" and (self.engine_dtype != "model" or self.engine_compile):
+            raise ValueError(
+                f"engine_dtype and engine_compile set the embedded engine; rollout.engine is "
+                f"{self.engine!r} (a server's dtype and compilation are its own arguments)"
+            )
+        return self
 
 
 class TrainConfig(_Section):
@@ -269,8 +286,10 @@ class TrainConfig(_Section):
     max_bad_steps: PositiveInt = 3
     """Stop after this many consecutive steps with a NaN/inf log-prob, value, loss, gradient
     or update (each such update is skipped: the weights stay the last good ones)."""
-    logprob_budget: NonNegativeFloat = 1e-3
-    """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables)."""
+    logprob_budget: NonNegativeFloat | None = None
+    """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables).
+    None: the budget of the dtypes, 1e-3 when trainer and engine both hold float32 weights,
+    0.5 when either holds bfloat16 (``sao.rollout.check.LOGPROB_BUDGETS``)."""
 
 
 class RuntimeConfig(_Section):

@@ -29,7 +29,28 @@ from sao.types import Env, SamplingParams, Trajectory, collate
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-__all__ = ["LogprobReport", "check_logprobs", "compare_logprobs", "score_trajectories"]
+__all__ = [
+    "LOGPROB_BUDGETS",
+    "LogprobReport",
+    "check_logprobs",
+    "compare_logprobs",
+    "logprob_budget",
+    "score_trajectories",
+]
+
+LOGPROB_BUDGETS = {
+    "float32": (1e-4, 1e-3),  # measured ~1e-6 (rounding of batched against unbatched matmuls)
+    "bfloat16": (0.5, 0.5),  # measured 0.29 on SmolLM2-135M (bfloat16 trainer and engine)
+}
+"""Max |delta logp| by the lowest precision of trainer and engine: (``sao check``, the
+pre-training check of ``sao train``). The training check keeps headroom for episodes the
+short ``sao check`` run does not meet."""
+
+
+def logprob_budget(*dtypes: torch.dtype, training: bool = False) -> float:
+    """The budget of :data:`LOGPROB_BUDGETS` for weights held in ``dtypes``."""
+    low = "bfloat16" if any(d in (torch.bfloat16, torch.float16) for d in dtypes) else "float32"
+    return LOGPROB_BUDGETS[low][int(training)]
 
 
 @dataclass(frozen=True)

@@ -31,11 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sao.rollout.embedded.layers import Kernels, layer_weights
+
 STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
 # ``kv_io(layer, k, v)`` stores a layer's new keys and values, returns those to attend over.
 KVIO = Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-# Boolean attention masks ``[N, 1, Tq, Tk]`` by sliding-window size (None = full).
+# Boolean attention masks ``[N, 1, R*Tq, Tk]`` by sliding-window size (None = full).
 Masks = dict[int | None, torch.Tensor]
 
 
@@ -73,19 +75,29 @@ def supports_static_kv(model: nn.Module) -> bool:
     needed = ("embed_tokens", "layers", "norm", "rotary_emb")
     if not all(hasattr(backbone, name) for name in needed) or not hasattr(model, "lm_head"):
         return False
-    attn = backbone.layers[0].self_attn
-    return all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim"))
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return False
+    for layer in backbone.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if not all(hasattr(attn, p) for p in ("q_proj", "k_proj", "v_proj", "o_proj", "head_dim")):
+            return False
+        if not all(hasattr(mlp, p) for p in ("gate_proj", "up_proj", "down_proj")):
+            return False
+        norms = [layer.input_layernorm, layer.post_attention_layernorm]
+        if not all(hasattr(n, "variance_epsilon") and hasattr(n, "weight") for n in norms):
+            return False
+        if norms[0].variance_epsilon != norms[1].variance_epsilon:
+            return False
+        if not _fusable([attn.q_proj, attn.k_proj, attn.v_proj]):
+            return False
+        if not _fusable([mlp.gate_proj, mlp.up_proj]):
+            return False
+    return True
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def _apply_rope(x_NHTD: torch.Tensor, cos_NTD: torch.Tensor, sin_NTD: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (Su et al. 2021, RoFormer, eq. 34), HF's rotate-half layout."""
-    cos, sin = cos_NTD.unsqueeze(1), sin_NTD.unsqueeze(1)
-    return x_NHTD * cos + _rotate_half(x_NHTD) * sin
+def _fusable(mods: Sequence[Any]) -> bool:
+    """True when the linears ``mods`` share their input size and all have, or all lack, a bias."""
+    return len({m.weight.shape[1] for m in mods}) == 1 and len({m.bias is None for m in mods}) == 1
 
 
 def _layer_windows(model: nn.Module) -> list[int | None]:
@@ -106,12 +118,10 @@ def _layer_windows(model: nn.Module) -> list[int | None]:
     return windows
 
 
-def _fuse(mods: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-    """One weight ``[sum of outs, in]`` (and bias) holding the linears ``mods``,
-    whose own weights become views of it, so that an in-place weight update of
-    any of them lands in the fused copy; None when their inputs or biases differ."""
-    if len({m.weight.shape[1] for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
-        return None
+def _fuse(mods: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight ``[sum of outs, in]`` (and bias) holding the linears ``mods``
+    (see :func:`_fusable`), whose own weights become views of it, so that an
+    in-place weight update of any of them lands in the fused copy."""
     w = torch.cat([m.weight.data for m in mods])
     b = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
     at = 0
@@ -132,9 +142,15 @@ class StaticKVForward:
     without copying keys: the H = K * R query heads are folded into the query
     axis (``[N, K, R*T, D]``) against ``[N, K, S, D]`` keys, which is the same
     arithmetic as repeating each kv head R times.
+
+    Each layer runs as :func:`~sao.rollout.embedded.layers.pre_attention`,
+    attention over the cache, and :func:`~sao.rollout.embedded.layers.post_attention`;
+    ``compile=True`` compiles those two (see :class:`~sao.rollout.embedded.layers.Kernels`).
     """
 
-    def __init__(self, model: nn.Module, *, max_batch_size: int, max_seq_len: int) -> None:
+    def __init__(
+        self, model: nn.Module, *, max_batch_size: int, max_seq_len: int, compile: bool = False
+    ) -> None:
         if not supports_static_kv(model):
             raise ValueError(
                 f"StaticKVForward supports model types {STATIC_KV_MODEL_TYPES}, got "
@@ -150,7 +166,6 @@ class StaticKVForward:
         self.n_kv = int(getattr(config, "num_key_value_heads", None) or self.n_heads)
         self.rep = self.n_heads // self.n_kv
         self.scale = float(getattr(attn, "scaling", self.head_dim**-0.5))
-        self.qk_norm = hasattr(attn, "q_norm") and hasattr(attn, "k_norm")
         self.windows = _layer_windows(model)
         self.max_seq_len = max_seq_len
         weight = self.backbone.embed_tokens.weight
@@ -159,54 +174,24 @@ class StaticKVForward:
         self.v_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         # q/k/v and gate/up projections as one matmul each (the modules' weights
         # become views of the fused ones: weight updates copied into them land there)
-        self.qkv = [
-            _fuse([layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj])
-            for layer in self.backbone.layers
-        ]
-        self.gate_up = [
-            _fuse([layer.mlp.gate_proj, layer.mlp.up_proj])
-            if all(hasattr(layer.mlp, n) for n in ("gate_proj", "up_proj", "down_proj", "act_fn"))
-            else None
-            for layer in self.backbone.layers
-        ]
+        self.weights = layer_weights(self.backbone.layers, _fuse)
+        self.kernels = Kernels((self.n_heads, self.n_kv, self.head_dim), compile=compile)
 
     @property
     def device(self) -> torch.device:
         return self.k_cache.device
-
-    def _qkv(
-        self, i: int, x_NTC: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Projected, normed and rotated ``q [N,H,T,D]``, ``k, v [N,K,T,D]`` of layer ``i``."""
-        attn = self.backbone.layers[i].self_attn
-        N, T, _ = x_NTC.shape
-        H, K, D = self.n_heads, self.n_kv, self.head_dim
-        fused = self.qkv[i]
-        if fused is None:
-            q, k, v = attn.q_proj(x_NTC), attn.k_proj(x_NTC), attn.v_proj(x_NTC)
-        else:
-            q, k, v = F.linear(x_NTC, *fused).split([H * D, K * D, K * D], dim=-1)
-        q, k, v = q.view(N, T, H, D), k.view(N, T, K, D), v.view(N, T, K, D)
-        if self.qk_norm:
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
     def _attend(
         self,
         q_NHTD: torch.Tensor,
         k_NKSD: torch.Tensor,
         v_NKSD: torch.Tensor,
-        mask_N1TS: torch.Tensor,
+        mask: torch.Tensor,
     ) -> torch.Tensor:
-        """Masked attention with kv heads shared by R query heads; returns ``[N, T, H*D]``."""
+        """Masked attention with kv heads shared by R query heads; ``mask`` is
+        :meth:`_masks`' (its query axis already repeated R times). Returns ``[N, T, H*D]``."""
         N, H, T, D = q_NHTD.shape
         q = q_NHTD.reshape(N, self.n_kv, self.rep * T, D)
-        mask = mask_N1TS
-        if self.rep > 1:
-            mask = (
-                mask_N1TS.unsqueeze(2).expand(N, 1, self.rep, T, -1).reshape(N, 1, self.rep * T, -1)
-            )
         out = F.scaled_dot_product_attention(q, k_NKSD, v_NKSD, attn_mask=mask, scale=self.scale)
         return out.view(N, H, T, D).transpose(1, 2).reshape(N, T, H * D)
 
@@ -220,30 +205,23 @@ class StaticKVForward:
         """Run every decoder layer; ``kv_io(i, k, v)`` stores the new keys and
         returns those to attend over. Returns the final-normed hidden states."""
         cos, sin = self.backbone.rotary_emb(h_NTC, pos_NT)
-        for i, layer in enumerate(self.backbone.layers):
-            x = layer.input_layernorm(h_NTC)
-            q, k, v = self._qkv(i, x, cos, sin)
+        for i, w in enumerate(self.weights):
+            q, k, v = self.kernels.pre(h_NTC, cos, sin, w)
             k_all, v_all = kv_io(i, k, v)
             attn_out = self._attend(q, k_all, v_all, masks[self.windows[i]])
-            h_NTC = h_NTC + layer.self_attn.o_proj(attn_out)
-            h_NTC = h_NTC + self._mlp(i, layer.post_attention_layernorm(h_NTC))
+            h_NTC = self.kernels.post(h_NTC, attn_out, w)
         return self.backbone.norm(h_NTC)
 
-    def _mlp(self, i: int, x_NTC: torch.Tensor) -> torch.Tensor:
-        """Layer ``i``'s gated MLP, gate and up projections as one matmul."""
-        mlp, fused = self.backbone.layers[i].mlp, self.gate_up[i]
-        if fused is None:
-            return cast(torch.Tensor, mlp(x_NTC))
-        gate, up = F.linear(x_NTC, *fused).chunk(2, dim=-1)
-        return cast(torch.Tensor, mlp.down_proj(mlp.act_fn(gate) * up))
-
     def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor) -> Masks:
-        """Boolean masks ``[N, 1, Tq, Tk]`` per window size: causal, valid keys,
-        and ``q - k < window`` (HF ``sliding_window_overlay``)."""
+        """Boolean masks per window size: causal, valid keys, and ``q - k <
+        window`` (HF ``sliding_window_overlay``), ``[N, 1, R*Tq, Tk]`` with the
+        query axis repeated for the R query heads of a kv head (see :meth:`_attend`)."""
         base = (k_pos <= q_pos) & valid
         masks: Masks = {}
         for w in set(self.windows):
-            masks[w] = (base if w is None else base & (k_pos > q_pos - w)).unsqueeze(1)
+            m = base if w is None else base & (k_pos > q_pos - w)  # [N, Tq, Tk]
+            N, Tq, Tk = m.shape
+            masks[w] = m.unsqueeze(1).expand(N, self.rep, Tq, Tk).reshape(N, 1, self.rep * Tq, Tk)
         return masks
 
     @torch.no_grad()
