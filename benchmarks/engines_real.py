@@ -87,7 +87,7 @@ async def embedded(
         warm = SamplingParams(top_k=1, max_new_tokens=4)
         await asyncio.gather(*(engine.generate(p, warm) for p in ps[:b]))
         await engine.generate(ps[0], warm)
-        if engine.compile_s:
+        if getattr(engine, "compile_s", 0):
             print(f"  compiled in {engine.compile_s:.1f} s (warm-up, not timed)", flush=True)
         t0 = time.perf_counter()
         outs = []

