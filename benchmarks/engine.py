@@ -92,13 +92,10 @@ def run_hf(model: LlamaForCausalLM, work: Workload, batch: int) -> float:
     return time.perf_counter() - start
 
 
-def run_engine(
-    model: LlamaForCausalLM, work: Workload, batch: int, *, compile: bool = False
-) -> float:
-    """Seconds for the engine to serve every request of the workload concurrently
-    (``compile``: its compiled layer kernels, compiled during the warm-up)."""
+def run_engine(model: LlamaForCausalLM, work: Workload, batch: int) -> float:
+    """Seconds for the engine to serve every request of the workload concurrently."""
     width = max(len(p) for p in work.prompts) + max(work.max_new)
-    with TorchEngine(model, max_batch_size=batch, max_seq_len=width, compile=compile) as engine:
+    with TorchEngine(model, max_batch_size=batch, max_seq_len=width) as engine:
 
         async def serve(prompts: list[list[int]], max_new: list[int]) -> int:
             calls = [
@@ -108,7 +105,6 @@ def run_engine(
             return sum(len(c.token_ids) for c in await asyncio.gather(*calls))
 
         asyncio.run(serve(work.prompts[:4], [4] * 4))  # warm-up
-        asyncio.run(serve(work.prompts[:1], [4]))  # (a compile sees batch 1 too)
         start = time.perf_counter()
         produced = asyncio.run(serve(work.prompts, work.max_new))
         elapsed = time.perf_counter() - start
@@ -127,9 +123,6 @@ def main() -> None:
     parser.add_argument(
         "--threads", type=int, default=1, help="torch CPU threads (1 avoids oversubscription)"
     )
-    parser.add_argument(
-        "--compile", action="store_true", help="also the engine with compiled layer kernels"
-    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     batches = args.batches or ([16, 64] if args.quick else [16, 64, 256])
@@ -139,24 +132,17 @@ def main() -> None:
     threads = torch.get_num_threads()
     print(f"model: tiny Llama, {params / 1e6:.2f}M parameters; torch threads {threads}")
     header = ("batch", "requests", "tokens", "HF tok/s", "engine tok/s", "ratio")
-    header += ("compiled tok/s", "ratio") if args.compile else ()
-    print(
-        ("{:>6} {:>8} {:>8} {:>10} {:>13} {:>6}" + " {:>15} {:>6}" * args.compile).format(*header)
-    )
+    print("{:>6} {:>8} {:>8} {:>10} {:>13} {:>6}".format(*header))
     for batch in batches:
         n = args.requests or max(batch, 64 if args.quick else 128)
         work = make_workload(n, random.Random(batch))
         hf_s = run_hf(model, work, batch)
         engine_s = run_engine(model, work, batch)
         hf_tps, engine_tps = work.tokens / hf_s, work.tokens / engine_s
-        row = (
+        print(
             f"{batch:>6} {len(work.prompts):>8} {work.tokens:>8} {hf_tps:>10.0f} "
             f"{engine_tps:>13.0f} {engine_tps / hf_tps:>5.2f}x"
         )
-        if args.compile:
-            compiled_tps = work.tokens / run_engine(model, work, batch, compile=True)
-            row += f" {compiled_tps:>15.0f} {compiled_tps / hf_tps:>5.2f}x"
-        print(row)
 
 
 if __name__ == "__main__":

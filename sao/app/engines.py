@@ -188,7 +188,6 @@ async def open_rollout_engine(
             device=device,
             dtype=torch.bfloat16 if r.engine_dtype == "bfloat16" else None,
             recompute_kv_on_update=r.recompute_kv_on_update,
-            compile=r.engine_compile,
         )
         try:
             yield engine, make_publish(engine, policy, weights_dir)

@@ -212,9 +212,6 @@ class RolloutConfig(_Section):
     ``bfloat16`` (half the bytes per decoded token; the engine's log-probs then differ from
     the float32 trainer's, which the DIS ratio absorbs, and the log-prob check's budget
     becomes bfloat16's, see ``train.logprob_budget``). Embedded engine only."""
-    engine_compile: bool = False
-    """``torch.compile`` the embedded engine's decoder-layer kernels (compiled once per
-    process, on first use, logged with its time; eager where compiling fails)."""
     engine: Literal["torch", "http", "vllm", "sglang"] = "torch"
     """Rollout engine: the embedded torch engine, or servers over HTTP (`sao serve`, vLLM,
     SGLang) given by ``servers`` or started by ``launch``."""
@@ -245,10 +242,10 @@ class RolloutConfig(_Section):
 
     @model_validator(mode="after")
     def _embedded_only(self) -> RolloutConfig:
-        if self.engine != "torch" and (self.engine_dtype != "model" or self.engine_compile):
+        if self.engine != "torch" and self.engine_dtype != "model":
             raise ValueError(
-                f"engine_dtype and engine_compile set the embedded engine; rollout.engine is "
-                f"{self.engine!r} (a server's dtype and compilation are its own arguments)"
+                f"engine_dtype sets the embedded engine's copy; rollout.engine is "
+                f"{self.engine!r} (a server's dtype is one of its own arguments)"
             )
         return self
 

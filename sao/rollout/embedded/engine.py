@@ -134,10 +134,6 @@ class TorchEngine:
             later turn may attend to keys of older weights (as the in-flight
             requests do by default); incompatible with
             ``recompute_kv_on_update``.
-        compile: ``torch.compile`` the static-KV forward's layer kernels
-            (:mod:`sao.rollout.embedded.layers`): compiled once per process on
-            the engine thread (logged with its time), eager where compiling
-            fails. No effect on the fallback forward.
         step_callback: called on the engine thread after every loop step (for
             metrics and tests); it must be quick, and may call
             ``load_weights``, which then applies immediately.
@@ -159,7 +155,6 @@ class TorchEngine:
         prefix_cache: bool = True,
         max_cached_prefixes: int | None = None,
         reuse_stale_prefix: bool = False,
-        compile: bool = False,
     ) -> None:
         _check_options(
             max_batch_size,
@@ -189,7 +184,6 @@ class TorchEngine:
             prefix_cache=prefix_cache,
             max_cached_prefixes=max_cached_prefixes,
             reuse_stale_prefix=reuse_stale_prefix,
-            compile=compile,
         )
         self._step_callback = step_callback
         self._seed_source = random.Random()
@@ -211,16 +205,12 @@ class TorchEngine:
         prefix_cache: bool,
         max_cached_prefixes: int | None,
         reuse_stale_prefix: bool,
-        compile: bool,
     ) -> None:
         """Pick the forward (the batched static-KV one where the architecture
         has it) and build the scheduler over the engine's copy of the weights."""
         forward: CachedForward = (
             StaticKVForward(
-                self._model,
-                max_batch_size=self.max_batch_size,
-                max_seq_len=self.max_seq_len,
-                compile=compile,
+                self._model, max_batch_size=self.max_batch_size, max_seq_len=self.max_seq_len
             )
             if supports_static_kv(self._model)
             else DynamicCacheForward(self._model)
@@ -245,12 +235,6 @@ class TorchEngine:
     def version(self) -> int:
         """Weight version in force for the next sampled token."""
         return self._sched.version
-
-    @property
-    def compile_s(self) -> float:
-        """Seconds spent compiling the layer kernels so far (0 when eager)."""
-        kernels = getattr(self._sched.forward, "kernels", None)
-        return 0.0 if kernels is None else float(kernels.compile_s)
 
     @property
     def dtype(self) -> torch.dtype:

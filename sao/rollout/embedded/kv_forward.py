@@ -31,7 +31,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sao.rollout.embedded.layers import Kernels, layer_weights, linear
+from sao.rollout.embedded.layers import (
+    Rotary,
+    layer_weights,
+    linear,
+    post_attention,
+    pre_attention,
+)
 
 STATIC_KV_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 
@@ -144,13 +150,10 @@ class StaticKVForward:
     arithmetic as repeating each kv head R times.
 
     Each layer runs as :func:`~sao.rollout.embedded.layers.pre_attention`,
-    attention over the cache, and :func:`~sao.rollout.embedded.layers.post_attention`;
-    ``compile=True`` compiles those two (see :class:`~sao.rollout.embedded.layers.Kernels`).
+    attention over the cache, and :func:`~sao.rollout.embedded.layers.post_attention`.
     """
 
-    def __init__(
-        self, model: nn.Module, *, max_batch_size: int, max_seq_len: int, compile: bool = False
-    ) -> None:
+    def __init__(self, model: nn.Module, *, max_batch_size: int, max_seq_len: int) -> None:
         if not supports_static_kv(model):
             raise ValueError(
                 f"StaticKVForward supports model types {STATIC_KV_MODEL_TYPES}, got "
@@ -175,7 +178,7 @@ class StaticKVForward:
         # q/k/v and gate/up projections as one matmul each (the modules' weights
         # become views of the fused ones: weight updates copied into them land there)
         self.weights = layer_weights(self.backbone.layers, _fuse)
-        self.kernels = Kernels((self.n_heads, self.n_kv, self.head_dim), compile=compile)
+        self.heads = (self.n_heads, self.n_kv, self.head_dim)
 
     @property
     def device(self) -> torch.device:
@@ -204,12 +207,12 @@ class StaticKVForward:
     ) -> torch.Tensor:
         """Run every decoder layer; ``kv_io(i, k, v)`` stores the new keys and
         returns those to attend over. Returns the final-normed hidden states."""
-        cos, sin = self.backbone.rotary_emb(h_NTC, pos_NT)
+        rope = Rotary.of(*self.backbone.rotary_emb(h_NTC, pos_NT))
         for i, w in enumerate(self.weights):
-            q, k, v = self.kernels.pre(h_NTC, cos, sin, w)
+            q, k, v = pre_attention(h_NTC, rope, w, self.heads)
             k_all, v_all = kv_io(i, k, v)
             attn_out = self._attend(q, k_all, v_all, masks[self.windows[i]])
-            h_NTC = self.kernels.post(h_NTC, attn_out, w)
+            h_NTC = post_attention(h_NTC, attn_out, w)
         return self.backbone.norm(h_NTC)
 
     def _masks(self, q_pos: torch.Tensor, k_pos: torch.Tensor, valid: torch.Tensor) -> Masks:
@@ -325,13 +328,14 @@ class StaticKVForward:
         masks = self._masks(
             pos_B1.view(hi, 1, 1), k_pos, torch.ones((), dtype=torch.bool, device=dev)
         )
-        index = pos_B1.view(hi, 1, 1, 1).expand(hi, self.n_kv, 1, self.head_dim)
+        rows, pos_B = torch.arange(hi, device=dev), pos_B1.view(hi)
+        k_rows, v_rows = self.k_cache[:, :hi, :, :L], self.v_cache[:, :hi, :, :L]
 
         def kv_io(i: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            k_view, v_view = self.k_cache[i, :hi], self.v_cache[i, :hi]
-            k_view.scatter_(2, index, k)
-            v_view.scatter_(2, index, v)
-            return k_view[:, :, :L], v_view[:, :, :L]
+            k_view, v_view = k_rows[i], v_rows[i]  # [hi, K, L, D] views of the cache
+            k_view[rows, :, pos_B] = k[:, :, 0]  # (index_put_: scatter_ copies in bfloat16)
+            v_view[rows, :, pos_B] = v[:, :, 0]
+            return k_view, v_view
 
         h_B1C = self._layers(self.backbone.embed_tokens(ids_B1), pos_B1, kv_io, masks)
         head = self.model.lm_head

@@ -1,32 +1,28 @@
-"""One Llama-family decoder layer as two pure functions of tensors.
+"""One Llama-family decoder layer as two functions of tensors.
 
 :func:`pre_attention` (input norm, fused q/k/v projection, optional q/k norms,
 rotary embedding) and :func:`post_attention` (output projection, residual,
 post-attention norm, fused gate/up projection, SiLU gate, down projection,
-residual) take a layer's weights as arguments, so one compiled graph serves
-every layer and every weight version. Attention over the KV cache stays
-between them, in eager mode, where the cache is written in place.
+residual) take a layer's weights (:class:`LayerWeights`, views of the model's
+parameters, so in-place weight updates reach them). Attention over the KV
+cache runs between them (``StaticKVForward``).
 
-:class:`Kernels` runs them eagerly, or compiled with ``torch.compile``
-(inductor fuses the norms, rotary and elementwise work that eager mode
-dispatches one operator at a time). Shapes are dynamic (batch and length
-vary every step), so a model compiles once per process; inductor's on-disk
-cache makes later processes cheaper. A compile that fails falls back to eager
-with one logged line.
+At batch 1 on the CPU a decode step is bound by streaming the weights plus
+Python's cost per operator, so the functions keep the operator count low:
+one ``rms_norm`` call per norm, the rotary embedding as two multiplies and a
+roll over q and k together (:class:`Rotary`). Compiling them with
+``torch.compile`` was measured slower (BENCHMARKS.md): its per-call overhead
+outweighed the fusion at both batch sizes.
 """
 
 from __future__ import annotations
 
-import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-log = logging.getLogger(__name__)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -39,21 +35,33 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Hugging Face ``LlamaRMSNorm``: normalise in float32, scale in the input dtype."""
+    """Hugging Face ``LlamaRMSNorm``: normalise in float32, scale in the input
+    dtype (float32 input: torch's ``rms_norm``, the same values in one call)."""
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+@dataclass(frozen=True)
+class Rotary:
+    """One step's rotary tables (Su et al. 2021, RoFormer, eq. 34), HF's
+    rotate-half layout, shaped ``[N, T, 1, D]`` to broadcast over heads:
+    ``x * cos + roll(x, D/2) * sin_signed`` is HF's ``x * cos + rotate_half(x) * sin``,
+    since ``roll`` gives ``[x2, x1]`` and ``sin_signed`` is ``[-sin1, sin2]``."""
 
+    cos: torch.Tensor
+    sin_signed: torch.Tensor
 
-def apply_rope(x_NHTD: torch.Tensor, cos_NTD: torch.Tensor, sin_NTD: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding (Su et al. 2021, RoFormer, eq. 34), HF's rotate-half layout."""
-    cos, sin = cos_NTD.unsqueeze(1), sin_NTD.unsqueeze(1)
-    return x_NHTD * cos + rotate_half(x_NHTD) * sin
+    @classmethod
+    def of(cls, cos_NTD: torch.Tensor, sin_NTD: torch.Tensor) -> Rotary:
+        half = sin_NTD.shape[-1] // 2
+        signed = torch.cat((-sin_NTD[..., :half], sin_NTD[..., half:]), dim=-1)
+        return cls(cos_NTD.unsqueeze(2), signed.unsqueeze(2))
+
+    def __call__(self, x_NTHD: torch.Tensor) -> torch.Tensor:
+        return x_NTHD * self.cos + x_NTHD.roll(x_NTHD.shape[-1] // 2, -1) * self.sin_signed
 
 
 @dataclass(frozen=True)
@@ -78,108 +86,28 @@ class LayerWeights:
 
 
 def pre_attention(
-    h_NTC: torch.Tensor,
-    cos_NTD: torch.Tensor,
-    sin_NTD: torch.Tensor,
-    ln1: torch.Tensor,
-    qkv_w: torch.Tensor,
-    qkv_b: torch.Tensor | None,
-    q_norm: torch.Tensor | None,
-    k_norm: torch.Tensor | None,
-    eps: float,
-    qk_eps: float,
-    heads: tuple[int, int, int],
+    h_NTC: torch.Tensor, rope: Rotary, w: LayerWeights, heads: tuple[int, int, int]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Normed, projected and rotated ``q [N,H,T,D]`` and ``k, v [N,K,T,D]``;
     ``heads`` = (H, K, D)."""
     H, K, D = heads
     N, T, _ = h_NTC.shape
-    qkv = linear(rms_norm(h_NTC, ln1, eps), qkv_w, qkv_b)
-    q, k, v = qkv.split([H * D, K * D, K * D], dim=-1)
-    q, k, v = q.view(N, T, H, D), k.view(N, T, K, D), v.view(N, T, K, D)
-    if q_norm is not None and k_norm is not None:
-        q, k = rms_norm(q, q_norm, qk_eps), rms_norm(k, k_norm, qk_eps)
-    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    return apply_rope(q, cos_NTD, sin_NTD), apply_rope(k, cos_NTD, sin_NTD), v
+    qkv = linear(rms_norm(h_NTC, w.ln1, w.eps), w.qkv_w, w.qkv_b).view(N, T, H + 2 * K, D)
+    if w.q_norm is not None and w.k_norm is not None:
+        q = rope(rms_norm(qkv[:, :, :H], w.q_norm, w.qk_eps))
+        k = rope(rms_norm(qkv[:, :, H : H + K], w.k_norm, w.qk_eps))
+    else:  # q and k rotated together
+        q, k = rope(qkv[:, :, : H + K]).split([H, K], dim=2)
+    v = qkv[:, :, H + K :]
+    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
 
-def post_attention(
-    h_NTC: torch.Tensor,
-    attn_NTC: torch.Tensor,
-    o_w: torch.Tensor,
-    o_b: torch.Tensor | None,
-    ln2: torch.Tensor,
-    gate_up_w: torch.Tensor,
-    gate_up_b: torch.Tensor | None,
-    down_w: torch.Tensor,
-    down_b: torch.Tensor | None,
-    eps: float,
-) -> torch.Tensor:
+def post_attention(h_NTC: torch.Tensor, attn_NTC: torch.Tensor, w: LayerWeights) -> torch.Tensor:
     """The residual stream after the attention output and the gated MLP."""
-    h_NTC = h_NTC + linear(attn_NTC, o_w, o_b)
-    gate, up = linear(rms_norm(h_NTC, ln2, eps), gate_up_w, gate_up_b).chunk(2, dim=-1)
-    return h_NTC + linear(F.silu(gate) * up, down_w, down_b)
-
-
-class Kernels:
-    """:func:`pre_attention` and :func:`post_attention`, eager or compiled.
-
-    ``compile=True`` compiles them with dynamic shapes. Torch still compiles a
-    separate graph for a batch of 1 and for a length of 1 (it specialises sizes
-    0 and 1), so each kernel compiles at most four times per process: the
-    first call of each kind is timed and logged. When compiling or running the
-    compiled code raises, the kernels fall back to eager for good, with one
-    logged line.
-    """
-
-    def __init__(self, heads: tuple[int, int, int], *, compile: bool = False) -> None:
-        self.heads = heads
-        self.compiled = compile
-        self.compile_s = 0.0  # total seconds of the first calls, which compile
-        self._seen: set[tuple[str, bool, bool]] = set()
-        self._pre: Callable[..., Any] = pre_attention
-        self._post: Callable[..., Any] = post_attention
-        if compile:
-            # 4 graphs per dtype and per architecture variant (q/k norms, biases):
-            # torch's default of 8 per function would send a second model to eager
-            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            self._pre = torch.compile(pre_attention, dynamic=True)
-            self._post = torch.compile(post_attention, dynamic=True)
-
-    def pre(
-        self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: LayerWeights
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        args = (h, cos, sin, w.ln1, w.qkv_w, w.qkv_b, w.q_norm, w.k_norm, w.eps, w.qk_eps)
-        return self._call(self._pre, pre_attention, *args, self.heads)
-
-    def post(self, h: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> torch.Tensor:
-        args = (w.o_w, w.o_b, w.ln2, w.gate_up_w, w.gate_up_b, w.down_w, w.down_b, w.eps)
-        return self._call(self._post, post_attention, h, attn, *args)
-
-    def _call(self, fn: Callable[..., Any], eager: Callable[..., Any], *args: Any) -> Any:
-        if not self.compiled:
-            return eager(*args)
-        N, T = args[0].shape[:2]
-        kind = (eager.__name__, N == 1, T == 1)
-        start = time.perf_counter()
-        try:
-            out = fn(*args)
-        except Exception as exc:  # any compiler failure means eager
-            log.warning("embedded engine: torch.compile failed (%r); decoding eagerly", exc)
-            self.compiled = False
-            return eager(*args)
-        if kind not in self._seen:
-            self._seen.add(kind)
-            seconds = time.perf_counter() - start
-            self.compile_s += seconds
-            log.info(
-                "embedded engine: compiled %s (batch %s, length %s) in %.1f s",
-                eager.__name__,
-                "1" if N == 1 else "> 1",
-                "1" if T == 1 else "> 1",
-                seconds,
-            )
-        return out
+    h_NTC = h_NTC + linear(attn_NTC, w.o_w, w.o_b)
+    x = rms_norm(h_NTC, w.ln2, w.eps)
+    gate, up = linear(x, w.gate_up_w, w.gate_up_b).chunk(2, dim=-1)
+    return h_NTC + linear(F.silu(gate) * up, w.down_w, w.down_b)
 
 
 def layer_weights(
