@@ -164,12 +164,13 @@ def same_replies(a: Replies, b: Replies) -> str:
     return f"{equal}/{len(a)} requests equal; request {first} differs from token {at}"
 
 
-def profile_decode(model: torch.nn.Module, b: int, context: int = 48, **options: Any) -> str:
+def profile_decode(
+    model: torch.nn.Module, b: int, context: int = 48, dtype: torch.dtype | None = None
+) -> str:
     """torch.profiler's operator table (self CPU time) of 5 decode steps of the
     embedded engine's forward, ``b`` rows at ``context`` cached positions."""
-    forward = StaticKVForward(
-        copy.deepcopy(model).requires_grad_(False), max_batch_size=b, max_seq_len=256, **options
-    )
+    copied = copy.deepcopy(model).to(dtype=dtype).requires_grad_(False)
+    forward = StaticKVForward(copied, max_batch_size=b, max_seq_len=256)
     gen = torch.Generator().manual_seed(0)
     seqs = torch.randint(10, 40000, (b, context), generator=gen).tolist()
     forward.prefill(range(b), seqs)
