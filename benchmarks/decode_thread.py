@@ -1,0 +1,62 @@
+"""The embedded engine's decode step on the main thread and on a second thread.
+
+The engine decodes on its own thread (``sao-torch-engine``) while the main
+thread runs the event loop, and has already run torch's OpenMP parallel
+regions (loading the model). This times the same ``StaticKVForward.decode``
+of SmolLM2-135M at batch 1 (48 cached positions) on the main thread, on a
+second thread, and on the main thread again, in one process:
+
+    SAO_REAL_MODEL=$(sao models fetch smollm2-135m | tail -n 1) \\
+    PYTHONPATH=. python benchmarks/decode_thread.py [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+import time
+
+import torch
+
+from sao.models.loading import load_policy
+from sao.rollout.embedded.kv_forward import StaticKVForward
+
+
+def step_ms(forward: StaticKVForward, steps: int = 20) -> float:
+    """Milliseconds per batch-1 decode step (after 3 warm-up steps)."""
+    for i in range(3):
+        forward.decode([0], [5], [48 + i])
+    t0 = time.perf_counter()
+    for i in range(steps):
+        forward.decode([0], [5], [51 + i])
+    return 1e3 * (time.perf_counter() - t0) / steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=os.environ.get("SAO_REAL_MODEL", ""))
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    args = ap.parse_args()
+    if not args.model:
+        ap.error("--model: the SmolLM2 directory `sao models fetch smollm2-135m` prints")
+    torch.set_num_threads(args.threads)
+    model = load_policy(args.model).eval().requires_grad_(False)
+    forward = StaticKVForward(model, max_batch_size=1, max_seq_len=256)
+    forward.prefill([0], [list(range(100, 148))])
+    out: dict[str, float] = {"main thread": step_ms(forward)}
+
+    def on_thread() -> None:
+        out["second thread"] = step_ms(forward)
+
+    t = threading.Thread(target=on_thread)
+    t.start()
+    t.join()
+    out["main thread again"] = step_ms(forward)
+    print(f"SmolLM2-135M float32, batch 1, {args.threads} torch threads, ms per decode step:")
+    for where, ms in out.items():
+        print(f"  {where:<18} {ms:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
