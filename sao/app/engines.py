@@ -186,7 +186,7 @@ async def open_rollout_engine(
             tokenizer=tokenizer,
             version=version,
             device=device,
-            dtype=torch.bfloat16 if r.engine_dtype == "bfloat16" else None,
+            dtype=weight_dtypes(cfg, policy)[1],
             recompute_kv_on_update=r.recompute_kv_on_update,
         )
         try:

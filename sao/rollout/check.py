@@ -40,7 +40,7 @@ __all__ = [
 
 LOGPROB_BUDGETS = {
     "float32": (1e-4, 1e-3),  # measured ~1e-6 (rounding of batched against unbatched matmuls)
-    "bfloat16": (0.5, 0.5),  # measured 0.29 on SmolLM2-135M (bfloat16 trainer and engine)
+    "bfloat16": (0.5, 0.5),  # measured 0.25-0.37 on SmolLM2-135M (docs/engines.md)
 }
 """Max |delta logp| by the lowest precision of trainer and engine: (``sao check``, the
 pre-training check of ``sao train``). The training check keeps headroom for episodes the

@@ -33,6 +33,7 @@ from torch import nn
 
 from sao.rollout.embedded.layers import (
     Rotary,
+    fusable,
     layer_weights,
     linear,
     post_attention,
@@ -94,16 +95,11 @@ def supports_static_kv(model: nn.Module) -> bool:
             return False
         if norms[0].variance_epsilon != norms[1].variance_epsilon:
             return False
-        if not _fusable([attn.q_proj, attn.k_proj, attn.v_proj]):
+        if not fusable([attn.q_proj, attn.k_proj, attn.v_proj]):
             return False
-        if not _fusable([mlp.gate_proj, mlp.up_proj]):
+        if not fusable([mlp.gate_proj, mlp.up_proj]):
             return False
     return True
-
-
-def _fusable(mods: Sequence[Any]) -> bool:
-    """True when the linears ``mods`` share their input size and all have, or all lack, a bias."""
-    return len({m.weight.shape[1] for m in mods}) == 1 and len({m.bias is None for m in mods}) == 1
 
 
 def _layer_windows(model: nn.Module) -> list[int | None]:
@@ -122,22 +118,6 @@ def _layer_windows(model: nn.Module) -> list[int | None]:
         else:
             windows.append(getattr(config, "sliding_window", None))
     return windows
-
-
-def _fuse(mods: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight ``[sum of outs, in]`` (and bias) holding the linears ``mods``
-    (see :func:`_fusable`), whose own weights become views of it, so that an
-    in-place weight update of any of them lands in the fused copy."""
-    w = torch.cat([m.weight.data for m in mods])
-    b = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
-    at = 0
-    for m in mods:
-        n = m.weight.shape[0]
-        m.weight.data = w[at : at + n]
-        if b is not None:
-            m.bias.data = b[at : at + n]
-        at += n
-    return w, b
 
 
 class StaticKVForward:
@@ -177,7 +157,7 @@ class StaticKVForward:
         self.v_cache = torch.zeros(shape, dtype=weight.dtype, device=weight.device)
         # q/k/v and gate/up projections as one matmul each (the modules' weights
         # become views of the fused ones: weight updates copied into them land there)
-        self.weights = layer_weights(self.backbone.layers, _fuse)
+        self.weights = layer_weights(self.backbone.layers)
         self.heads = (self.n_heads, self.n_kv, self.head_dim)
 
     @property

@@ -17,7 +17,7 @@ outweighed the fusion at both batch sizes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,11 +110,30 @@ def post_attention(h_NTC: torch.Tensor, attn_NTC: torch.Tensor, w: LayerWeights)
     return h_NTC + linear(F.silu(gate) * up, w.down_w, w.down_b)
 
 
-def layer_weights(
-    layers: Sequence[Any], fuse: Callable[[Sequence[Any]], Any]
-) -> list[LayerWeights]:
+def fusable(mods: Sequence[Any]) -> bool:
+    """True when the linears ``mods`` share their input size and all have, or all lack, a bias."""
+    return len({m.weight.shape[1] for m in mods}) == 1 and len({m.bias is None for m in mods}) == 1
+
+
+def fuse(mods: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight ``[sum of outs, in]`` (and bias) holding the linears ``mods``
+    (see :func:`fusable`), whose own weights become views of it, so that an
+    in-place weight update of any of them lands in the fused copy."""
+    w = torch.cat([m.weight.data for m in mods])
+    b = None if mods[0].bias is None else torch.cat([m.bias.data for m in mods])
+    at = 0
+    for m in mods:
+        n = m.weight.shape[0]
+        m.weight.data = w[at : at + n]
+        if b is not None:
+            m.bias.data = b[at : at + n]
+        at += n
+    return w, b
+
+
+def layer_weights(layers: Sequence[Any]) -> list[LayerWeights]:
     """Each HF decoder layer's :class:`LayerWeights`, its q/k/v and gate/up
-    linears fused by ``fuse`` (which makes their weights views of the fused ones)."""
+    linears fused (:func:`fuse`: their weights become views of the fused ones)."""
     out = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
