@@ -34,9 +34,10 @@ typecheck: install
 # processes (pytest-xdist), each with its share of the cores' torch threads:
 # 2 fit the 2-core reference machine; `make test TEST_WORKERS=auto` uses one per core.
 TEST_WORKERS ?= 2
-# (as sao/__init__.py sets it for `sao`: torch's threads spin briefly, so a busy core
-# elsewhere does not stall them; the tests import torch before sao)
-export GOMP_SPINCOUNT ?= 1000
+# The tests' torch threads spin briefly (sao's own default, sao/__init__.py, is 10x
+# longer, for speed on a quiet machine), so a busy core elsewhere, as CI may have,
+# does not stall them.
+test test-vllm test-real: export GOMP_SPINCOUNT ?= 1000
 test: lint typecheck
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 

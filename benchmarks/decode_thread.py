@@ -8,14 +8,22 @@ second thread, and on the main thread again, in one process.
 ``--main-threads 1`` keeps the main thread at one torch thread (it never
 starts an OpenMP team of workers) while the second thread uses ``--threads``;
 ``--idle-team`` also keeps a third thread's team alive, idle, as the
-trainer's thread does in a run:
+trainer's thread did in a run before idle threads gave theirs back;
+``--release`` has the main thread give its team back
+(:func:`sao.rollout.openmp.release_team`, as the engine's builder does)
+before the second thread decodes. ``sao`` is imported before torch, so the
+OpenMP spin is sao's default (``GOMP_SPINCOUNT`` set in the environment wins):
 
     SAO_REAL_MODEL=$(sao models fetch smollm2-135m | tail -n 1) \\
-    PYTHONPATH=. python benchmarks/decode_thread.py [--threads 2] [--main-threads 1] [--idle-team]
+    PYTHONPATH=. python benchmarks/decode_thread.py [--threads 2] [--main-threads 1] \\
+        [--idle-team] [--release]
 """
 
 from __future__ import annotations
 
+import sao  # noqa: F401  (before torch: sao's GOMP_SPINCOUNT default, as in `sao`)
+
+# isort: split
 import argparse
 import os
 import threading
@@ -25,6 +33,7 @@ import torch
 
 from sao.models.loading import load_policy
 from sao.rollout.embedded.kv_forward import StaticKVForward
+from sao.rollout.openmp import release_team
 
 
 def step_ms(forward: StaticKVForward, steps: int = 20) -> float:
@@ -43,6 +52,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 2)
     ap.add_argument("--main-threads", type=int, default=None, help="default: --threads")
     ap.add_argument("--idle-team", action="store_true", help="a third thread's live team")
+    ap.add_argument("--release", action="store_true", help="main gives its team back first")
     args = ap.parse_args()
     if not args.model:
         ap.error("--model: the SmolLM2 directory `sao models fetch smollm2-135m` prints")
@@ -68,6 +78,8 @@ def main() -> None:
     if args.idle_team:
         threading.Thread(target=idle_team, daemon=True).start()
         started.wait()
+    if args.release:
+        release_team()
     t = threading.Thread(target=on_thread)
     t.start()
     t.join()

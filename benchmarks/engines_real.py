@@ -18,11 +18,17 @@ Bounds: a 512 MiB copy's bandwidth against the weight bytes a batch-1 step
 must read, and the batch-32 GEMM work against a 2048^3 ``torch.mm``.
 ``--profile`` adds torch.profiler tables of the engine's decode step.
 
+``sao`` is imported before torch, as the ``sao`` command does, so the embedded
+engine runs with sao's OpenMP spin default; the vLLM server keeps its own.
+
     PYTHONPATH=. python benchmarks/engines_real.py [--model DIR] [--new 64] [--profile]
 """
 
 from __future__ import annotations
 
+import sao  # noqa: F401  (before torch: sao's GOMP_SPINCOUNT default, as in `sao`)
+
+# isort: split
 import argparse
 import asyncio
 import copy

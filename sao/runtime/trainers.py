@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from sao.models.cache import atomic_dir
 from sao.rollout.check import LogprobReport, score_trajectories
+from sao.rollout.openmp import releasing
 from sao.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
@@ -81,7 +82,8 @@ class LocalTrainer:
         self.p, self.trainer = parts, parts.trainer
 
     async def step(self, batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
-        stats = await asyncio.to_thread(self.trainer.step, batch, train_actor=train_actor)
+        step = releasing(self.trainer.step)
+        stats = await asyncio.to_thread(step, batch, train_actor=train_actor)
         return {k: float(v) for k, v in stats.items()}
 
     async def weights(self) -> Any:
@@ -90,14 +92,19 @@ class LocalTrainer:
     async def score(
         self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None
     ) -> LogprobReport:
-        return score_trajectories(
-            self.p.policy, self.p.tokenizer, trajectories, sampling, engine=engine
+        return await asyncio.to_thread(
+            releasing(score_trajectories),
+            self.p.policy,
+            self.p.tokenizer,
+            trajectories,
+            sampling,
+            engine=engine,
         )
 
     async def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
         from sao.train.critic_fit import prompt_values
 
-        return await asyncio.to_thread(prompt_values, self.trainer, trajectories)
+        return await asyncio.to_thread(releasing(prompt_values), self.trainer, trajectories)
 
     async def save_models(self, directory: Path) -> None:
         def write() -> None:
@@ -105,7 +112,7 @@ class LocalTrainer:
             if self.p.critic is not None:
                 self.p.critic.save_pretrained(directory / "critic")
 
-        await asyncio.to_thread(write)
+        await asyncio.to_thread(releasing(write))
 
     def trainer_state(self) -> dict[str, object]:
         return self.trainer.state_dict()
@@ -116,7 +123,7 @@ class LocalTrainer:
                 self.p.policy.save_pretrained(tmp)
                 self.p.tokenizer.save_pretrained(tmp)
 
-        await asyncio.to_thread(write)
+        await asyncio.to_thread(releasing(write))
 
     def close(self) -> None:
         pass

@@ -75,6 +75,7 @@ from sao.rollout.embedded.kv_forward import (
 )
 from sao.rollout.embedded.sampling import Detokenizer, StopStringMatcher, default_stop_ids
 from sao.rollout.embedded.scheduler import Request, Scheduler, WeightUpdate
+from sao.rollout.openmp import release_team
 from sao.rollout.weights import DiskWeights, TensorWeights, WeightSource, read_weights
 from sao.types import Completion, SamplingParams
 
@@ -195,6 +196,7 @@ class TorchEngine:
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="sao-torch-engine", daemon=True)
         self._thread.start()
+        release_team()  # copying the model made this thread an OpenMP team (see sao.rollout.openmp)
 
     def _init_scheduler(
         self,
@@ -438,6 +440,7 @@ class TorchEngine:
 
     def _take_work(self) -> tuple[list[Request], list[WeightUpdate], bool, bool]:
         """Wait until there is something to do; hand over the queued work."""
+        idle = False
         with self._cond:
             while not (
                 self._inbox
@@ -447,6 +450,9 @@ class TorchEngine:
                 or self._sched.running
                 or self._sched.waiting
             ):
+                if not idle:
+                    release_team()  # idle workers elsewhere slow every parallel region
+                    idle = True
                 self._cond.wait()
             new, self._inbox = list(self._inbox), deque()
             updates, self._updates = list(self._updates), deque()

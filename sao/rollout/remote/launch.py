@@ -117,6 +117,15 @@ def server_command(
     return cmd + list(extra), env
 
 
+def _inherited(kind: str) -> dict[str, str]:
+    """This process's environment for a server: a vLLM or SGLang server keeps
+    its own OpenMP spin unless the user chose one (sao's default is for sao)."""
+    env = dict(os.environ)
+    if kind != "http" and sao.SPIN_SET_BY_SAO:
+        env.pop("GOMP_SPINCOUNT", None)
+    return env
+
+
 async def _healthy(server: LaunchedServer, kind: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
@@ -193,7 +202,7 @@ async def launch_servers(
                         cmd,
                         stdout=log,
                         stderr=subprocess.STDOUT,
-                        env={**os.environ, **env},
+                        env=_inherited(kind) | env,
                         start_new_session=True,
                     )
                 except OSError as err:

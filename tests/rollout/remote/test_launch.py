@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sao.rollout.remote.http_engine import EngineSetupError
-from sao.rollout.remote.launch import launch_servers, server_command
+from sao.rollout.remote.launch import _inherited, launch_servers, server_command
 from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.types import SamplingParams
 
@@ -66,3 +66,15 @@ def test_vllm_command_enables_rl_routes_and_processed_logprobs() -> None:
     cmd, env = server_command("vllm", "/m", 8000, python="py", **KW)
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.launchers.api_server.entry"]
     assert "processed_logprobs" in cmd and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_only_sao_servers_inherit_saos_spin_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sao's GOMP_SPINCOUNT default is for sao's processes: a vLLM or SGLang
+    server gets its own, unless the user set one."""
+    monkeypatch.setenv("GOMP_SPINCOUNT", "10000")
+    monkeypatch.setattr("sao.SPIN_SET_BY_SAO", True)
+    assert _inherited("http")["GOMP_SPINCOUNT"] == "10000"
+    assert "GOMP_SPINCOUNT" not in _inherited("vllm")
+    assert "GOMP_SPINCOUNT" not in _inherited("sglang")
+    monkeypatch.setattr("sao.SPIN_SET_BY_SAO", False)  # the user's choice reaches every server
+    assert _inherited("vllm")["GOMP_SPINCOUNT"] == "10000"
