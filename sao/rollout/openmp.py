@@ -6,9 +6,9 @@ that ever started a parallel region, alive until that thread exits. Once
 the process holds more such workers than it has CPUs, libgomp shortens
 every worker's spin-wait to about a hundred iterations, and each parallel
 region then waits for a sleeping worker to be woken. A batch-1 decode step
-of SmolLM2-135M runs ~121 short GEMV regions, and measured 48-50 ms on the
-engine's thread beside the loading thread's idle team, 35-37 ms once that
-team was given back (``benchmarks/decode_thread.py``, BENCHMARKS.md).
+of SmolLM2-135M runs ~121 short GEMV regions, and measured 43 ms on a
+second thread beside the loading thread's idle team, 28 ms once that team
+was given back (``benchmarks/decode_thread.py``, BENCHMARKS.md).
 
 So a thread that has finished its torch work and goes idle (the engine's
 thread when it has nothing to decode, a worker thread after a trainer step,

@@ -5,6 +5,8 @@ its builder's when it starts."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -85,3 +87,30 @@ def test_engine_gives_back_its_builders_team_and_its_own_when_idle(
         assert settle(lambda: calls.count("sao-torch-engine"), 1) == 1  # nothing to decode yet
         generate_all(engine, PROMPTS[:1], params)
         assert settle(lambda: calls.count("sao-torch-engine"), 2) == 2  # and idle again
+
+
+KEEPS_THREADS = """
+import os, time
+import sao, torch
+from sao.rollout.openmp import release_team
+x = torch.arange(1 << 22, dtype=torch.float32)
+torch.set_num_threads(2)
+(x * 2).sum()
+release_team()
+time.sleep(0.1)
+before = len(os.listdir("/proc/self/task"))
+(x * 2).sum()
+print(torch.get_num_threads(), len(os.listdir("/proc/self/task")) - before)
+"""
+
+
+@pytest.mark.skipif(not _libgomp_pauses(), reason="torch here does not run on GNU libgomp")
+def test_a_released_thread_keeps_its_torch_thread_count() -> None:
+    """``torch.set_num_threads(2)`` against ``OMP_NUM_THREADS=1``: after the
+    team is given back, the next region still has 2 threads, not the default 1."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(
+        [sys.executable, "-c", KEEPS_THREADS], env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["2", "1"]
