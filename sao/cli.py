@@ -110,10 +110,10 @@ def _eval(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     import tempfile
 
-    from sao.app.engines import open_rollout_engine, weight_dtypes
+    from sao.app.engines import budget_for, open_rollout_engine
     from sao.app.parts import build_parts, policy_path
     from sao.envs.base import Task
-    from sao.rollout.check import check_logprobs, logprob_budget
+    from sao.rollout.check import check_logprobs
 
     if args.episodes < 1:
         raise ConfigError(f"--episodes {args.episodes}: use 1 or more episodes to compare")
@@ -128,9 +128,7 @@ def _check(args: argparse.Namespace) -> int:
             cfg, p.policy, p.tokenizer, policy_path(cfg), scratch, 0
         ) as (engine, _):
             report = await check_logprobs(engine, p.policy, p.tokenizer, envs, p.sampling, p.limits)
-        budget = args.budget
-        if budget is None:
-            budget = logprob_budget(*weight_dtypes(cfg, p.policy))
+        budget = budget_for(cfg, p.policy, args.budget, training=False)
         print(f"{cfg.rollout.engine} engine: {report.summary()} (budget {budget:g})")
         report.check(budget)
         return 0

@@ -157,11 +157,14 @@ def weight_dtypes(cfg: Config, policy: PreTrainedModel) -> tuple[torch.dtype, to
     return trainer, torch.bfloat16 if cfg.rollout.engine_dtype == "bfloat16" else trainer
 
 
-def training_budget(cfg: Config, policy: PreTrainedModel) -> float:
-    """``train.logprob_budget``, or when None the budget of the weights' dtypes."""
-    if cfg.train.logprob_budget is not None:
-        return cfg.train.logprob_budget
-    return logprob_budget(*weight_dtypes(cfg, policy), training=True)
+def budget_for(
+    cfg: Config, policy: PreTrainedModel, chosen: float | None, *, training: bool
+) -> float:
+    """The log-prob budget ``chosen`` (``train.logprob_budget``, ``sao check --budget``),
+    or when None the budget of the trainer's and the engine's weight dtypes."""
+    if chosen is not None:
+        return chosen
+    return logprob_budget(*weight_dtypes(cfg, policy), training=training)
 
 
 @contextlib.asynccontextmanager

@@ -19,7 +19,7 @@ from transformers.utils import logging as hf_logging
 
 from sao.agents.endpoint import AgentEndpoint
 from sao.agents.runner import AgentRunner, AgentTask
-from sao.app.engines import Publish, open_rollout_engine, training_budget
+from sao.app.engines import Publish, budget_for, open_rollout_engine
 from sao.app.parts import (
     Parts,
     TrainTask,
@@ -178,7 +178,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
             orch.load_counters(saved_counters(ckpt))  # wall_s, episodes/*, idle: continued
             _announce(cfg, gate, logger, own_task=task is not None)
             if ckpt is None:
-                budget = training_budget(p.cfg, p.policy)
+                budget = budget_for(p.cfg, p.policy, p.cfg.train.logprob_budget, training=True)
                 await logprob_gate(budget, p.sampling, handle, runner, engine, logger.print)
                 logger.log(0, {"wall_s": 0.0, **await _eval(p, runner, samples, 0, handle)})
 

@@ -438,22 +438,23 @@ class TorchEngine:
             future=loop.create_future(),
         )
 
+    def _has_work(self) -> bool:
+        """True when the engine thread has something to do (called under ``_cond``)."""
+        return bool(
+            self._inbox
+            or self._updates
+            or self._abort_requested
+            or self._closing
+            or self._sched.running
+            or self._sched.waiting
+        )
+
     def _take_work(self) -> tuple[list[Request], list[WeightUpdate], bool, bool]:
         """Wait until there is something to do; hand over the queued work."""
-        idle = False
         with self._cond:
-            while not (
-                self._inbox
-                or self._updates
-                or self._abort_requested
-                or self._closing
-                or self._sched.running
-                or self._sched.waiting
-            ):
-                if not idle:
-                    release_team()  # idle workers elsewhere slow every parallel region
-                    idle = True
-                self._cond.wait()
+            if not self._has_work():
+                release_team()  # idle workers elsewhere slow every parallel region
+                self._cond.wait_for(self._has_work)
             new, self._inbox = list(self._inbox), deque()
             updates, self._updates = list(self._updates), deque()
             abort = self._abort_requested or self._closing
