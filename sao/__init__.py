@@ -18,3 +18,13 @@ __version__ = "0.1.0"
 # other projects that sao launches get their own default (SPIN_SET_BY_SAO).
 SPIN_SET_BY_SAO = "GOMP_SPINCOUNT" not in _os.environ
 _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
+
+# Torch's CPU allocator aligns every block of 2 MiB or more to 2 MiB and asks the
+# kernel for transparent huge pages there (where its THP mode is `madvise` or
+# `always`). A trainer step touches GBs of activations; after each step sao gives
+# the freed pages back (sao.runtime.memory), and touching them again in 4 KiB
+# pages cost SmolLM2-135M's SAO step ~2.4M page faults and ~20% of its time; in
+# huge pages ~0.3M and about none (BENCHMARKS.md, "A run's memory"). A value set
+# wins; servers of other projects that sao launches do without (THP_SET_BY_SAO).
+THP_SET_BY_SAO = "THP_MEM_ALLOC_ENABLE" not in _os.environ
+_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

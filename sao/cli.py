@@ -63,6 +63,10 @@ def _train(args: argparse.Namespace) -> int:
         f"held-out success: {summary['eval/success_first']:.3f} -> "
         f"{summary['eval/success_last']:.3f} (best {summary['eval/success_best']:.3f})"
     )
+    if "memory/peak_gib" in summary:  # resident memory of the run's processes at its highest
+        expected = summary.get("memory/expected_peak_gib")
+        said = "" if expected is None else f" (expected {expected:.1f} GiB)"
+        print(f"peak memory {summary['memory/peak_gib']:.1f} GiB{said}, {summary['wall_s']:.0f} s")
     if "eval/critic_auc_last" in summary:  # how well the critic ranks held-out prompts
         print(
             f"critic on held-out prompts: AUC {summary['eval/critic_auc_first']:.3f} -> "

@@ -17,6 +17,7 @@ from sao.config import Config, ConfigError
 from sao.envs.base import Task
 from sao.envs.latency import LatencyWrapper
 from sao.envs.registry import make_task
+from sao.models.checkpointing import checkpoint_layers
 from sao.models.fetch import resolve_model_path
 from sao.models.freeze import freeze_attention, freeze_below
 from sao.models.loading import (
@@ -132,6 +133,10 @@ def build_parts(
         return Parts(cfg, task, tokenizer, shell, None, None, sampling, build_limits(cfg), device)
     policy = load_trained_policy(cfg, start_dir, device, dtype)
     critic = load_critic(cfg, start_dir, device, dtype, quiet=quiet)
+    if cfg.train.activation_checkpointing:  # (the engine's deep copy only runs without grad)
+        for model in (policy, critic):
+            if model is not None:
+                checkpoint_layers(model)
     trainer = Trainer(policy, critic, cfg.algo.resolve(), optim_settings(cfg), ranks)
     sampling = sampling_params(cfg)
     return Parts(cfg, task, tokenizer, policy, critic, trainer, sampling, build_limits(cfg), device)

@@ -20,6 +20,7 @@ from transformers.utils import logging as hf_logging
 from sao.agents.endpoint import AgentEndpoint
 from sao.agents.runner import AgentRunner, AgentTask
 from sao.app.engines import Publish, budget_for, open_rollout_engine
+from sao.app.memory import available_bytes, check_memory, estimate_peak, longest_prompt
 from sao.app.parts import (
     Parts,
     TrainTask,
@@ -46,6 +47,7 @@ from sao.rundir.model_card import export_final
 from sao.runtime.admission import JustInTime
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.evaluate import evaluate, logprob_gate
+from sao.runtime.memory import GIB, MemoryMeter, process_tree_rss
 from sao.runtime.orchestrator import Orchestrator, Report, RolloutState
 from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
@@ -92,13 +94,30 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
         cfg, ckpt = resume_point(resume, cfg)
     run_dir = prepare_run_dir(cfg, resume is not None)
     _seed(cfg.seed)
+    runtime = process_tree_rss()[1]  # (the estimate's runtime: before any model is loaded)
     try:
         parts = build_parts(cfg, ckpt, task, models=cfg.runtime.backend == "local")
+        expected = _memory_check(parts, runtime)
     except BaseException:
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return asyncio.run(_run(parts, run_dir, ckpt, task))
+    return asyncio.run(_run(parts, run_dir, ckpt, task, expected))
+
+
+def _memory_check(p: Parts, runtime: int) -> float | None:
+    """Print the run's expected peak memory by owner and return it (GiB); refuse
+    (ConfigError) a run that would not fit (``train.memory_check``). Local trainers
+    only (None otherwise): Ray ranks hold their models in processes of their own."""
+    if p.cfg.runtime.backend != "local":
+        return None
+    prompt = None  # an agent's prompts come from its own code
+    if not isinstance(p.task, AgentTask):
+        prompt = asyncio.run(longest_prompt(p.task, p.tokenizer))
+    estimate = estimate_peak(p, prompt, runtime)
+    available = available_bytes(p.device)
+    print(check_memory(estimate, available, enforce=p.cfg.train.memory_check))
+    return estimate.total / GIB
 
 
 def _seed(seed: int) -> None:
@@ -158,8 +177,11 @@ def _pipeline(
     return orch
 
 
-async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | None) -> Path:
-    """The run loop; ``task`` is the caller's own task (None: the built-in one)."""
+async def _run(
+    p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | None, expected: float | None
+) -> Path:
+    """The run loop; ``task`` is the caller's own task (None: the built-in one);
+    ``expected``: the peak memory the pre-training estimate gave (GiB), for the summary."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
     gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
@@ -177,13 +199,16 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
             orch = _pipeline(p, runner, gate, buffer, restored, report)
             orch.load_counters(saved_counters(ckpt))  # wall_s, episodes/*, idle: continued
             _announce(cfg, gate, logger, own_task=task is not None)
+            meter = MemoryMeter()  # memory/*: resident now, the peak so far, the allocator's
             if ckpt is None:
                 budget = budget_for(p.cfg, p.policy, p.cfg.train.logprob_budget, training=True)
                 await logprob_gate(budget, p.sampling, handle, runner, engine, logger.print)
-                logger.log(0, {"wall_s": 0.0, **await _eval(p, runner, samples, 0, handle)})
+                row = {"wall_s": 0.0, **await _eval(p, runner, samples, 0, handle)}
+                logger.log(0, row | meter.read())
 
             async def on_step(step: int, m: dict[str, float]) -> None:
                 m["wall_s"] = orch.clock.elapsed()
+                m |= meter.read()
                 if step % cfg.eval.every == 0 or step == total:
                     m |= await _eval(p, runner, samples, step, handle)
                 logger.log(step, m)
@@ -208,7 +233,7 @@ async def _run(p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | Non
                 await _export_stopped(handle, run_dir, cfg, logger, e)
                 raise
         logger.close()
-        await _finish(p, handle, run_dir, logger.history)
+        await _finish(p, handle, run_dir, logger.history, expected)
     finally:
         logger.close()
         ledger.close()
@@ -267,7 +292,7 @@ async def _trainer(p: Parts, ckpt: Path | None, task: TrainTask | None) -> Train
     """The trainer: this process's, or ``runtime.trainer_ranks`` Ray actors
     (which load the checkpoint's sharded state themselves)."""
     if p.cfg.runtime.backend == "local":
-        return LocalTrainer(p)
+        return LocalTrainer(p, release=p.cfg.train.release_memory)
     from sao.app.distributed import RAY_BUILDERS
     from sao.distributed.trainer import RayTrainerGroup
 
@@ -388,7 +413,11 @@ async def _checkpoint(
 
 
 async def _finish(
-    p: Parts, handle: TrainerHandle, run_dir: Path, history: list[dict[str, float]]
+    p: Parts,
+    handle: TrainerHandle,
+    run_dir: Path,
+    history: list[dict[str, float]],
+    expected: float | None,
 ) -> None:
     """Plots, the final policy with its model card, then ``summary.json``: written
     last (atomically), it marks the run finished (a run killed before it resumes
@@ -397,4 +426,7 @@ async def _finish(
         write_plots(history, run_dir)
     shown = last_evaluation(run_dir / EVAL_SAMPLES)
     await export_final(handle, run_dir / "final", p.cfg, history, samples=shown)
-    write_text_atomic(run_dir / "summary.json", json.dumps(summarize(history), indent=2) + "\n")
+    summary = summarize(history)
+    if expected is not None:
+        summary["memory/expected_peak_gib"] = expected
+    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")

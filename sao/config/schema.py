@@ -287,6 +287,19 @@ class TrainConfig(_Section):
     """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables).
     None: the budget of the dtypes, 1e-3 when trainer and engine both hold float32 weights,
     0.5 when either holds bfloat16 (``sao.rollout.check.LOGPROB_BUDGETS``)."""
+    activation_checkpointing: bool = False
+    """Keep only each decoder layer's input for the backward and recompute the layer's
+    activations there (policy and critic): the largest training micro-batch's activations
+    fall by about the number of layers, for one more forward of the layers per backward;
+    the same gradients (``sao.models.checkpointing``; BENCHMARKS.md, "A run's memory")."""
+    memory_check: bool = True
+    """Before training, refuse a run whose expected peak memory (printed by owner:
+    weights, optimizer state, engine copy and KV cache, the largest micro-batch's
+    activations; ``sao.app.memory``) exceeds the memory available; false: only print it."""
+    release_memory: bool = True
+    """After each trainer step, give the C allocator's freed pages back to the kernel
+    (``malloc_trim``): without it a run's resident memory grows with its steps, holding
+    memory no tensor uses (BENCHMARKS.md, "A run's memory")."""
 
 
 class RuntimeConfig(_Section):

@@ -31,6 +31,7 @@ import torch
 from sao.config import Config, to_dict, validate
 from sao.distributed.backend import init_ray, place
 from sao.distributed.builders import RankBuilder
+from sao.runtime.memory import give_back_freed
 from sao.train.groups import merge_stats
 from sao.types import SamplingParams, Trajectory
 
@@ -88,7 +89,10 @@ class TrainerRank:
         return torch.get_num_threads()
 
     def step(self, trajectories: list[Trajectory], train_actor: bool) -> dict[str, float]:
-        return _floats(self.trainer.step(trajectories, train_actor=train_actor))
+        stats = _floats(self.trainer.step(trajectories, train_actor=train_actor))
+        if self.cfg.train.release_memory:
+            give_back_freed()  # (sao.runtime.memory: freed pages back to the kernel)
+        return stats
 
     def critic_targets(self, trajectories: list[Trajectory], train_actor: bool) -> Any:
         """The critic group's first half of a step: the actor's advantages (rank 0's)."""

@@ -346,6 +346,9 @@ def summarize(history: list[dict[str, float]]) -> dict[str, float]:
         "train/reward_first10": sum(rewards[:10]) / max(len(rewards[:10]), 1),
         "train/reward_last10": sum(rewards[-10:]) / max(len(rewards[-10:]), 1),
     }
+    peaks = [r["memory/peak_gib"] for r in history if "memory/peak_gib" in r]
+    if peaks:  # resident memory of the run's processes at its highest (sao.runtime.memory)
+        out["memory/peak_gib"] = max(peaks)
     for key in ("dropped/stale", "episodes/env_error", "idle/trainer_frac", "idle/rollout_frac"):
         if key in last:
             out[key] = last[key]

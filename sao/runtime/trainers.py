@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from sao.models.cache import atomic_dir
 from sao.rollout.check import LogprobReport, score_trajectories
 from sao.rollout.openmp import releasing
+from sao.runtime.memory import give_back_freed
 from sao.types import SamplingParams, Trajectory
 
 if TYPE_CHECKING:
@@ -75,16 +76,22 @@ class LocalModels(Protocol):
 
 class LocalTrainer:
     """The trainer of :class:`~sao.app.parts.Parts` (any :class:`LocalModels`),
-    in this process."""
+    in this process. ``release``: give the allocator's freed pages back to the kernel
+    after each step (``train.release_memory``, :func:`~sao.runtime.memory.give_back_freed`)."""
 
-    def __init__(self, parts: LocalModels) -> None:
+    def __init__(self, parts: LocalModels, *, release: bool = True) -> None:
         assert parts.trainer is not None, "a local trainer needs the parts' trainer"
-        self.p, self.trainer = parts, parts.trainer
+        self.p, self.trainer, self.release = parts, parts.trainer, release
 
     async def step(self, batch: list[Trajectory], train_actor: bool) -> dict[str, float]:
-        step = releasing(self.trainer.step)
-        stats = await asyncio.to_thread(step, batch, train_actor=train_actor)
+        stats = await asyncio.to_thread(releasing(self._step), batch, train_actor)
         return {k: float(v) for k, v in stats.items()}
+
+    def _step(self, batch: list[Trajectory], train_actor: bool) -> dict[str, Any]:
+        stats = self.trainer.step(batch, train_actor=train_actor)
+        if self.release:
+            give_back_freed()
+        return stats
 
     async def weights(self) -> Any:
         return self.p.policy.state_dict()

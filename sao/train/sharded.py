@@ -36,6 +36,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from sao.models.checkpointing import decoder_layers
 from sao.models.logprobs import sequence_logprobs
 from sao.train.split import (
     micro_batch_rows,
@@ -177,18 +178,6 @@ class PolicyLogprobs(nn.Module):
         return logp_BT.clone()  # not a view: FSDP2 hooks the output for the backward
 
 
-def _blocks(module: nn.Module) -> list[nn.Module]:
-    """The repeated blocks: every element of each outermost ``nn.ModuleList``
-    (``model.layers`` of Llama/Qwen, ``transformer.h`` of GPT-2)."""
-    found: list[str] = []
-    blocks: list[nn.Module] = []
-    for name, m in module.named_modules():
-        if isinstance(m, nn.ModuleList) and not any(name.startswith(f + ".") for f in found):
-            found.append(name)
-            blocks.extend(m)
-    return blocks
-
-
 def _float32_islands(module: nn.Module) -> list[nn.Module]:
     """Modules whose own parameters are all float32 (in a low-precision model:
     the critic's value head); they get their own FSDP unit computing in float32."""
@@ -230,7 +219,7 @@ def shard(module: nn.Module, mesh: DeviceMesh) -> nn.Module:
     )
     for island in islands:
         fully_shard(island, mesh=mesh, mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
-    for block in _blocks(module):
+    for block in decoder_layers(module):
         fully_shard(block, mesh=mesh, mp_policy=mixed)
     fully_shard(module, mesh=mesh, mp_policy=mixed)
     for m in module.modules():

@@ -119,10 +119,13 @@ def server_command(
 
 def _inherited(kind: str) -> dict[str, str]:
     """This process's environment for a server: a vLLM or SGLang server keeps
-    its own OpenMP spin unless the user chose one (sao's default is for sao)."""
+    its own OpenMP spin and allocator settings unless the user chose them (sao's
+    defaults are for sao)."""
     env = dict(os.environ)
     if kind != "http" and sao.SPIN_SET_BY_SAO:
         env.pop("GOMP_SPINCOUNT", None)
+    if kind != "http" and sao.THP_SET_BY_SAO:
+        env.pop("THP_MEM_ALLOC_ENABLE", None)
     return env
 
 

@@ -78,3 +78,12 @@ def test_only_sao_servers_inherit_saos_spin_default(monkeypatch: pytest.MonkeyPa
     assert "GOMP_SPINCOUNT" not in _inherited("sglang")
     monkeypatch.setattr("sao.SPIN_SET_BY_SAO", False)  # the user's choice reaches every server
     assert _inherited("vllm")["GOMP_SPINCOUNT"] == "10000"
+
+
+def test_only_sao_servers_inherit_saos_huge_page_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "1")
+    monkeypatch.setattr("sao.THP_SET_BY_SAO", True)
+    assert _inherited("http")["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert "THP_MEM_ALLOC_ENABLE" not in _inherited("vllm")
+    monkeypatch.setattr("sao.THP_SET_BY_SAO", False)  # the user's choice reaches every server
+    assert _inherited("sglang")["THP_MEM_ALLOC_ENABLE"] == "1"

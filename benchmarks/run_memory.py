@@ -1,0 +1,112 @@
+"""A run's memory over its steps, side by side: as sao runs it (the allocator's
+freed pages given back after each trainer step, torch's large blocks in
+transparent huge pages: ``release_thp``), in 4 KiB pages (``release``), without
+giving pages back (``keep``, what runs did before), and with activation
+checkpointing (``ckpt``).
+
+Each arm is a ``sao train`` subprocess (a fresh allocator) of the same preset,
+seed and steps; the figures are the run's own ``memory/*`` metrics
+(sao.runtime.memory: resident memory of the process tree after each step, the
+peak with the process's high-water mark, glibc's live heap) and its printed
+estimate (sao.app.memory). Step times are the trainer's (``time/train_step_s``),
+mean over the actor steps.
+
+    PYTHONPATH=. python benchmarks/run_memory.py [--preset smollm2-arith-sao] [--steps 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from benchmarks._bench import QUIET
+
+# torch's CPU allocator: blocks >= 2 MiB aligned and madvised as transparent huge pages
+# (THP_MEM_ALLOC_ENABLE=1, sao's default) or not
+ARMS: dict[str, tuple[str, dict[str, str]]] = {  # --set, environment
+    "release": ("train.release_memory=true", {"THP_MEM_ALLOC_ENABLE": "0"}),
+    "keep": ("train.release_memory=false", {"THP_MEM_ALLOC_ENABLE": "0"}),
+    "release_thp": ("train.release_memory=true", {"THP_MEM_ALLOC_ENABLE": "1"}),
+    "ckpt": ("train.activation_checkpointing=true", {"THP_MEM_ALLOC_ENABLE": "1"}),
+}
+
+
+def cpu_model() -> str:
+    """The CPU's model name and the flags its GEMMs use."""
+    name, flags = platform.processor(), set()
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            name = line.split(":", 1)[1].strip()
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+    return f"{name} ({', '.join(f for f in wanted if f in flags)})"
+
+
+def run_arm(
+    preset: str, steps: int, seed: int, arm: tuple[str, dict[str, str]], run_dir: Path
+) -> dict[str, object]:
+    """One run; its metrics rows and summary."""
+    setting, env = arm
+    sets = [
+        f"train.steps={steps}", f"seed={seed}", f"log.run_dir={run_dir}", setting,
+        "eval.every=1000", *QUIET,
+    ]  # fmt: skip
+    cmd = [sys.executable, "-m", "sao.cli", "train", "--preset", preset]
+    for s in sets:
+        cmd += ["--set", s]
+    environ = os.environ | env
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=environ).stdout
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    estimate = next((ln for ln in out.splitlines() if ln.startswith("memory: expected")), "")
+    return {"rows": rows, "summary": summary, "estimate": estimate}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="smollm2-arith-sao")
+    ap.add_argument("--steps", type=int, default=6, help="actor steps (warm-up steps come first)")
+    ap.add_argument("--seed", type=int, default=23)
+    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    args = ap.parse_args()
+    print(f"{args.preset}, {args.steps} actor steps, seed {args.seed}; CPU: {cpu_model()}")
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for arm in args.arms:
+            results[arm] = run_arm(args.preset, args.steps, args.seed, ARMS[arm], Path(tmp) / arm)
+    for arm, res in results.items():
+        print(f"{arm}: {res['estimate']}")
+    head = "".join(f"{'rss':>6}{'peak':>6}{'step_s':>7}{'flt_M':>6} " for _ in results)
+    print("\n" + " " * 4 + "".join(f"{a:^26}" for a in results))
+    print(f"{'step':>4}{head}   (GiB; train step s; page faults, millions)")
+    per_arm = {a: {int(r["step"]): r for r in res["rows"]} for a, res in results.items()}  # type: ignore[union-attr]
+    for step in sorted(per_arm[args.arms[0]]):
+        cells = ""
+        for arm in results:
+            r = per_arm[arm].get(step, {})
+            nan = float("nan")
+            cells += f"{r.get('memory/rss_gib', nan):>6.2f}{r.get('memory/peak_gib', nan):>6.2f}"
+            cells += f"{r.get('time/train_step_s', nan):>7.1f}"
+            cells += f"{r.get('memory/page_faults_m', nan):>6.2f} "
+        print(f"{step:>4}{cells}")
+    print()
+    for arm, res in results.items():
+        s = res["summary"]  # type: ignore[index]
+        actor = [r["time/train_step_s"] for r in res["rows"] if "actor/loss" in r]  # type: ignore[union-attr]
+        mean = sum(actor) / max(len(actor), 1)
+        peak, expected = s["memory/peak_gib"], s["memory/expected_peak_gib"]
+        print(
+            f"{arm:>8}: peak {peak:.2f} GiB, expected {expected:.2f} (ratio "
+            f"{peak / expected:.2f}); mean actor step {mean:.1f} s; run {s['wall_s']:.0f} s"
+        )
+
+
+if __name__ == "__main__":
+    main()

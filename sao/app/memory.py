@@ -1,0 +1,238 @@
+"""A run's expected peak memory, by owner, known before it trains; and the
+refusal when it exceeds what the machine has.
+
+The estimate (:func:`estimate_peak`) adds, in bytes:
+
+- the runtime: this process's resident memory before the models were loaded
+  (Python, torch, transformers, the tokenizer);
+- policy and critic weights, in the model's dtype;
+- each trained parameter's optimizer state: AdamW's two float32 moments, and a
+  float32 master copy where the model is not float32 (``MasterWeights``);
+- the gradients of one model at a time (the trainer frees them after each update);
+- the embedded engine's weight copy (``rollout.engine_dtype``) and its KV cache,
+  ``2 x layers x rollout.max_batch_size x kv_heads x context x head_dim``;
+- the largest training micro-batch's activations: what autograd saves in a
+  forward of the backbone at that shape, counted on the "meta" device (shapes
+  only, nothing computed; within ~15% of the same count on real tensors for
+  SmolLM2-135M), plus the LM head's float32 logits of one checkpointed chunk, held
+  three times in its backward. With ``train.activation_checkpointing``: each
+  layer's input, and one layer's activations (recomputed in the backward).
+
+The micro-batch is ``train.batch_size`` episodes of the longest an episode can be
+(:func:`longest_episode`): the prompt (the longest of a few held-out prompts),
+``rollout.max_turns`` replies of ``rollout.max_new_tokens``, and observations up
+to ``rollout.max_observation_tokens`` between them, within
+``rollout.max_total_tokens``; capped at ``train.token_budget`` tokens. So it is an
+upper bound of the step's activations where replies reach their limit, the case a
+run must survive. Engines in other processes (servers the run launches, Ray
+workers) are not counted; their processes' memory is measured with the run's.
+On a GPU (``model.device``) the total is the device's and is compared with its
+free memory; the runtime, host memory, is left out there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
+
+from sao.app.engines import context_window, weight_dtypes
+from sao.app.parts import Parts
+from sao.config import Config, ConfigError
+from sao.envs.base import Task
+from sao.rollout.chat import encode_first_observation
+from sao.runtime.memory import GIB, process_tree_rss
+
+__all__ = ["MemoryEstimate", "check_memory", "estimate_peak", "longest_episode"]
+
+LOGIT_CHUNK = 1024
+"""Positions per checkpointed chunk of the trainer's LM head (``sao.models.logprobs``)."""
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Expected peak bytes of a run, by owner, and the micro-batch shape behind them."""
+
+    parts: dict[str, float]
+    rows: int
+    episode_tokens: int
+
+    @property
+    def total(self) -> float:
+        return sum(self.parts.values())
+
+    def describe(self) -> str:
+        """One line: the total and each owner, in GiB."""
+        items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v > 0)
+        return (
+            f"memory: expected peak {self.total / GIB:.1f} GiB ({items}; a micro-batch of "
+            f"{self.rows} x {self.episode_tokens} tokens)"
+        )
+
+
+def _bytes(params: Iterable[nn.Parameter]) -> tuple[int, int]:
+    """Bytes of ``params`` and how many of them are trained (``requires_grad``)."""
+    total = trained = 0
+    seen: set[int] = set()
+    for p in params:
+        if id(p) in seen:  # tied weights count once
+            continue
+        seen.add(id(p))
+        total += p.numel() * p.element_size()
+        trained += p.numel() if p.requires_grad else 0
+    return total, trained
+
+
+def saved_activation_bytes(policy: PreTrainedModel, rows: int, tokens: int) -> int:
+    """Bytes autograd saves in one forward of ``policy``'s backbone on a ``[rows,
+    tokens]`` batch, counted on the meta device (a view counts as its base;
+    weights are not activations)."""
+    with torch.device("meta"):
+        shell = AutoModelForCausalLM.from_config(policy.config, dtype=policy.dtype)
+    weights = {id(p) for p in shell.parameters()}
+    seen: set[int] = set()
+    total = 0
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        base = x._base if x._base is not None else x
+        if id(base) not in weights and id(base) not in seen:
+            seen.add(id(base))
+            total += base.numel() * base.element_size()
+        return x
+
+    ids = torch.zeros((rows, tokens), dtype=torch.long, device="meta")
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        shell.base_model(input_ids=ids)
+    return total
+
+
+async def longest_prompt(task: Task, tokenizer: PreTrainedTokenizerBase, n: int = 8) -> int | None:
+    """Tokens of the longest of the first ``n`` held-out prompts (None if the
+    task's environments cannot be reset here within a few seconds)."""
+    longest = 0
+    try:
+        for i in range(min(n, task.eval_size)):
+            env = task.make_env("eval", i)
+            obs = await asyncio.wait_for(env.reset(i), timeout=5.0)
+            longest = max(longest, len(encode_first_observation(tokenizer, obs)[0]))
+            with contextlib.suppress(Exception):
+                close = getattr(env, "aclose", None)
+                if close is not None:
+                    await close()
+    except Exception:  # (an estimate: the episode budget then bounds it)
+        return None
+    return longest or None
+
+
+def longest_episode(cfg: Config, prompt_tokens: int | None, context: int) -> int:
+    """The most tokens an episode of this run can hold (module docstring)."""
+    r = cfg.rollout
+    budget = min(r.max_total_tokens, context)
+    if prompt_tokens is None:
+        return budget
+    observation = r.max_observation_tokens or budget
+    longest = prompt_tokens + r.max_turns * r.max_new_tokens + (r.max_turns - 1) * observation
+    return min(budget, longest)
+
+
+def estimate_peak(p: Parts, prompt_tokens: int | None, runtime: int) -> MemoryEstimate:
+    """The expected peak of a local run of ``p`` on its device (module docstring);
+    ``runtime``: the process's resident bytes before it loaded the models (counted
+    on the CPU only)."""
+    cfg, c = p.cfg, p.policy.config
+    on_host = p.device.type == "cpu"
+    policy_bytes, policy_trained = _bytes(p.policy.parameters())
+    critic_bytes, critic_trained = (0, 0) if p.critic is None else _bytes(p.critic.parameters())
+    master = 0 if p.policy.dtype == torch.float32 else 4
+    parts: dict[str, float] = {
+        "runtime": runtime if on_host else 0,  # (the device's memory holds no Python)
+        "policy": policy_bytes,
+        "critic": critic_bytes,
+        "optimizer": (8 + master) * (policy_trained + critic_trained),
+        "gradients": (p.policy.dtype.itemsize + master) * max(policy_trained, critic_trained),
+    }
+    context = context_window(p.policy, cfg.rollout.max_total_tokens)
+    if cfg.rollout.engine == "torch":
+        engine_dtype = weight_dtypes(cfg, p.policy)[1]
+        parts["engine"] = policy_bytes * engine_dtype.itemsize / p.policy.dtype.itemsize
+        heads = c.num_attention_heads
+        kv_heads = getattr(c, "num_key_value_heads", None) or heads
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+        slots = cfg.rollout.max_batch_size
+        kv = 2 * c.num_hidden_layers * slots * kv_heads * context * head_dim
+        parts["kv_cache"] = kv * engine_dtype.itemsize
+    episode = longest_episode(cfg, prompt_tokens, context)
+    rows = max(1, min(cfg.train.batch_size, cfg.train.token_budget // episode))
+    tokens = rows * episode
+    logits = 3 * min(tokens, LOGIT_CHUNK) * c.vocab_size * 4
+    saved = saved_activation_bytes(p.policy, rows, episode)
+    if cfg.train.activation_checkpointing:  # each layer's input, and one layer recomputed
+        inputs = c.num_hidden_layers * tokens * c.hidden_size * p.policy.dtype.itemsize
+        saved = saved // c.num_hidden_layers + inputs
+    parts["activations"] = saved + logits
+    return MemoryEstimate(parts, rows, episode)
+
+
+def available_bytes(device: torch.device) -> float | None:
+    """The memory this run may have in all (None where unknown): on the CPU, Linux's
+    ``MemAvailable`` plus what this process already holds; on a GPU, its free memory
+    plus what torch already holds there."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free + torch.cuda.memory_reserved(device))
+    if device.type != "cpu":
+        return None
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        return None
+    kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in lines if ln.endswith("kB")}
+    if "MemAvailable" not in kib:
+        return None
+    return kib["MemAvailable"] * 1024.0 + process_tree_rss()[1]
+
+
+_LEVERS = {
+    "activations": (
+        "train.token_budget (smaller micro-batches), rollout.max_total_tokens, "
+        "train.activation_checkpointing=true"
+    ),
+    "kv_cache": "rollout.max_batch_size (decode slots), rollout.max_total_tokens",
+    "engine": 'rollout.engine_dtype="bfloat16" (half the engine copy)',
+    "optimizer": "algo.critic_train_layers (train the critic's top layers only)",
+    "gradients": "algo.critic_train_layers",
+    "critic": "a critic-free algo.preset (grpo, rloo, running_mean)",
+    "policy": 'model.dtype="bfloat16"',
+    "runtime": "",
+}
+
+
+def check_memory(estimate: MemoryEstimate, available: float | None, *, enforce: bool) -> str:
+    """The estimate's line (with the memory available); a ConfigError naming the
+    keys that lower the largest owners when it exceeds what is available (and
+    ``enforce``, ``train.memory_check``)."""
+    line = estimate.describe()
+    if available is None or not math.isfinite(available):
+        return line
+    line += f"; {available / GIB:.1f} GiB available"
+    if estimate.total <= available or not enforce:
+        return line
+    owners = sorted(estimate.parts, key=lambda k: -estimate.parts[k])
+    levers = [f"{k} ({estimate.parts[k] / GIB:.2f} GiB): {_LEVERS[k]}" for k in owners]
+    levers = [lever for lever, k in zip(levers, owners, strict=True) if _LEVERS[k]]
+    raise ConfigError(
+        f"this run is expected to need {estimate.total / GIB:.1f} GiB at its peak, more than the "
+        f"{available / GIB:.1f} GiB available. "
+        + line
+        + ". Lower the largest owners: "
+        + "; ".join(levers[:4])
+        + ". Or set train.memory_check=false to start it anyway"
+    )

@@ -1,0 +1,161 @@
+"""What a run holds in memory, read from the kernel and from the C allocator,
+and the allocator's freed memory given back.
+
+Readings (Linux; elsewhere they are absent):
+
+- ``memory/rss_gib``: resident memory of this process and its children now
+  (``VmRSS`` of ``/proc/PID/status``, summed over the process tree: launched
+  inference servers and sandboxes count, as they do against a machine's RAM).
+- ``memory/peak_gib``: the highest such sum this run has read, with this
+  process's own high-water mark (``VmHWM``, which the kernel keeps between
+  readings) in place of its current figure.
+- ``memory/page_faults_m``: minor page faults of this process so far, in millions
+  (``ru_minflt``): each is a page touched for the first time, or again after it
+  was given back; the cost side of giving freed memory back.
+- ``memory/heap_live_gib``: glibc malloc's own account (``mallinfo2``, all
+  arenas) of the bytes handed out and not yet freed: torch's CPU tensors are
+  malloc'd, so this is what the run's tensors (and Python's larger objects) hold.
+  What is resident beyond it is the runtime's code and mapped files, and memory
+  freed but kept by the allocator.
+
+Why the allocator gives memory back after every trainer step
+(:func:`give_back_freed`): glibc serves a request below its mmap threshold from
+per-thread arenas, and it raises that threshold to the size of every mmapped
+block freed (up to 32 MiB on 64-bit), so after the first large tensor is freed
+almost every tensor of a training step (activations, gradients, logits chunks)
+comes from the arenas. A freed chunk there goes back to the kernel only when it
+sits at the top of its heap; the rest stays resident, fragmented among live
+chunks, and each thread that allocates (the trainer's worker thread, the
+engine's thread, OpenMP workers) can hold its own arena. ``malloc_trim(0)``
+returns every whole free page of every arena (``madvise(MADV_DONTNEED)``), live
+chunks untouched; measured numbers are in BENCHMARKS.md ("A run's memory").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import functools
+import os
+import resource
+from collections.abc import Callable
+from pathlib import Path
+
+__all__ = ["MemoryMeter", "give_back_freed", "heap", "process_tree_rss"]
+
+GIB = float(2**30)
+
+
+class _Mallinfo2(ctypes.Structure):
+    """glibc's ``struct mallinfo2`` (glibc 2.33+): every field a ``size_t``."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",  # bytes obtained with sbrk / arena heaps (non-mmapped)
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",  # bytes in mmapped blocks (each one live)
+            "usmblks",
+            "fsmblks",
+            "uordblks",  # bytes in use in the arenas
+            "fordblks",  # bytes free in the arenas
+            "keepcost",
+        )
+    ]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library when it is glibc with ``mallinfo2`` and ``malloc_trim``; else None."""
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        libc = ctypes.CDLL(name)
+        libc.mallinfo2.restype = _Mallinfo2
+        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    except (OSError, AttributeError):  # not glibc, or older than 2.33
+        return None
+    return libc
+
+
+def heap() -> tuple[int, int] | None:
+    """Bytes malloc has handed out and not had back (arenas + mmapped blocks), and
+    bytes freed but still held in its arenas; None where that cannot be read."""
+    libc = _libc()
+    if libc is None:
+        return None
+    info = libc.mallinfo2()
+    return info.uordblks + info.hblkhd, info.fordblks
+
+
+def give_back_freed() -> None:
+    """Return the allocator's free pages to the kernel (``malloc_trim(0)``): after a
+    trainer step, before the next step's tensors are allocated. Live memory is
+    untouched; without glibc this does nothing."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _status_kib(pid: int | str, field: str) -> int:
+    """One ``kB`` field of ``/proc/PID/status`` (0 when the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return 0
+    for line in text.splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _children(pid: int) -> list[int]:
+    """Direct children of ``pid`` (``/proc/PID/task/*/children``)."""
+    kids: list[int] = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            kids += [int(c) for c in (task / "children").read_text().split()]
+        except OSError:
+            continue
+    return kids
+
+
+def process_tree_rss(pid: int | None = None) -> tuple[int, int]:
+    """Resident bytes of ``pid``'s descendants (not ``pid`` itself), and of ``pid``."""
+    root = os.getpid() if pid is None else pid
+    seen, todo, total = {root}, _children(root), 0
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += _status_kib(p, "VmRSS") * 1024
+        todo += _children(p)
+    return total, _status_kib(root, "VmRSS") * 1024
+
+
+class MemoryMeter:
+    """The run's memory readings (module docstring), with the peak kept across
+    readings; ``read()`` is cheap (a few ``/proc`` files)."""
+
+    def __init__(self, read_rss: Callable[[], tuple[int, int]] = process_tree_rss) -> None:
+        self.read_rss = read_rss
+        self.peak = 0
+        self.supported = Path("/proc/self/status").exists()
+
+    def read(self) -> dict[str, float]:
+        """``memory/*`` metrics now (empty where ``/proc`` is absent)."""
+        if not self.supported:
+            return {}
+        children, own = self.read_rss()
+        hwm = _status_kib("self", "VmHWM") * 1024
+        self.peak = max(self.peak, children + max(own, hwm))
+        out = {"memory/rss_gib": (children + own) / GIB, "memory/peak_gib": self.peak / GIB}
+        out["memory/page_faults_m"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt / 1e6
+        held = heap()
+        if held is not None:
+            out["memory/heap_live_gib"] = held[0] / GIB
+        return out

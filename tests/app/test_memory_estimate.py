@@ -1,0 +1,122 @@
+"""The expected peak memory printed before training (sao.app.memory): its
+arithmetic by owner, the activation count on the meta device against real
+tensors, and the refusal that names the keys to change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from sao.app.memory import (
+    MemoryEstimate,
+    check_memory,
+    estimate_peak,
+    longest_episode,
+    saved_activation_bytes,
+)
+from sao.app.parts import build_parts
+from sao.config import ConfigError, load_config
+
+GIB = 2**30
+
+
+def _cfg(*sets: str):  # type: ignore[no-untyped-def]
+    return load_config(overrides=list(sets))
+
+
+def test_longest_episode() -> None:
+    one_turn = _cfg("rollout.max_turns=1", "rollout.max_new_tokens=16")
+    # a 136-token prompt and one reply of 16: 152, within the 320-token budget
+    assert longest_episode(one_turn, 136, context=2048) == 152
+    multi = _cfg("rollout.max_turns=7", "rollout.max_new_tokens=12")
+    # 50 + 7 x 12 + 6 observations of up to 4096 tokens: the budget (320) binds
+    assert longest_episode(multi, 50, context=2048) == 320
+    capped = _cfg(
+        "rollout.max_turns=3", "rollout.max_new_tokens=10", "rollout.max_observation_tokens=20"
+    )
+    assert longest_episode(capped, 40, context=2048) == 40 + 30 + 40  # 110
+    assert longest_episode(one_turn, None, context=2048) == 320  # prompt unknown: the budget
+    assert longest_episode(one_turn, None, context=100) == 100  # the model's window binds
+
+
+def test_refusal_names_the_keys_of_the_largest_owners() -> None:
+    est = MemoryEstimate({"runtime": 0.5 * GIB, "activations": 6 * GIB, "kv_cache": 1 * GIB}, 4, 2)
+    with pytest.raises(ConfigError) as e:
+        check_memory(est, 4 * GIB, enforce=True)
+    msg = str(e.value)
+    assert "7.5 GiB" in msg and "4.0 GiB available" in msg
+    # the largest owner's keys come first, then the next one's; the runtime has none
+    assert msg.index("train.token_budget") < msg.index("rollout.max_batch_size")
+    assert "train.memory_check=false" in msg
+    line = check_memory(est, 4 * GIB, enforce=False)  # only printed
+    assert line.startswith("memory: expected peak 7.5 GiB") and "4.0 GiB available" in line
+    assert "available" not in check_memory(est, None, enforce=True)  # unknown: no verdict
+
+
+def _real_saved_bytes(model: torch.nn.Module, rows: int, tokens: int) -> int:
+    """What autograd saves on real tensors, storages counted once, weights excluded."""
+    weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        s = x.untyped_storage()
+        if s.data_ptr() not in weights:
+            seen[s.data_ptr()] = s.nbytes()
+        return x
+
+    ids = torch.randint(
+        0, model.config.vocab_size, (rows, tokens), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        model.base_model(input_ids=ids)
+    return sum(seen.values())
+
+
+def test_meta_activation_count_matches_real_tensors(tiny_policy: Path) -> None:
+    model = AutoModelForCausalLM.from_pretrained(tiny_policy, dtype=torch.float32)
+    for rows, tokens in [(1, 16), (4, 48)]:
+        meta = saved_activation_bytes(model, rows, tokens)
+        real = _real_saved_bytes(model, rows, tokens)
+        assert 0.85 * real <= meta <= 1.25 * real, (rows, tokens, meta, real)
+
+
+def test_estimate_by_owner(tiny_policy: Path) -> None:
+    cfg = load_config(
+        overrides=[
+            f"model.path={tiny_policy}",
+            "algo=sao",
+            "rollout.max_batch_size=8",
+            "rollout.max_total_tokens=64",
+            "rollout.max_turns=1",
+            "rollout.max_new_tokens=4",
+            "train.batch_size=16",
+            "train.token_budget=256",
+        ]
+    )
+    p = build_parts(cfg, quiet=True)
+    est = estimate_peak(p, prompt_tokens=12, runtime=123)
+    assert p.critic is not None
+    policy = {id(x): x for x in p.policy.parameters()}.values()  # tied weights once
+    n_policy = sum(x.numel() for x in policy)
+    n_critic = sum(x.numel() for x in p.critic.parameters())
+    trained = sum(x.numel() for x in policy if x.requires_grad)
+    trained_critic = sum(x.numel() for x in p.critic.parameters() if x.requires_grad)
+    assert trained_critic < n_critic  # its attention is frozen: no optimizer state there
+    parts = est.parts
+    assert parts["runtime"] == 123
+    assert parts["policy"] == 4 * n_policy and parts["engine"] == 4 * n_policy
+    assert parts["critic"] == 4 * n_critic
+    assert parts["optimizer"] == 8 * (trained + trained_critic)  # AdamW m and v, float32
+    assert parts["gradients"] == 4 * max(trained, trained_critic)
+    c = p.policy.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    kv = 2 * c.num_hidden_layers * 8 * c.num_key_value_heads * 64 * head_dim * 4
+    assert parts["kv_cache"] == kv
+    # episodes of 12 + 4 = 16 tokens; 256 // 16 = 16 rows fit the token budget
+    assert (est.rows, est.episode_tokens) == (16, 16)
+    logits = 3 * 256 * c.vocab_size * 4  # three float32 chunks of the 256 positions
+    assert parts["activations"] == saved_activation_bytes(p.policy, 16, 16) + logits
+    assert est.total == sum(parts.values())
