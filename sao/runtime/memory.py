@@ -8,7 +8,8 @@ Readings (Linux; elsewhere they are absent):
   inference servers and sandboxes count, as they do against a machine's RAM).
 - ``memory/peak_gib``: the highest such sum this run has read, with this
   process's own high-water mark (``VmHWM``, which the kernel keeps between
-  readings) in place of its current figure.
+  readings, reset when the meter starts: a process that held more before the
+  run, such as a test worker, does not count that) in place of its current figure.
 - ``memory/page_faults_m``: minor page faults of this process so far, in millions
   (``ru_minflt``): each is a page touched for the first time, or again after it
   was given back; the cost side of giving freed memory back.
@@ -137,21 +138,33 @@ def process_tree_rss(pid: int | None = None) -> tuple[int, int]:
     return total, _status_kib(root, "VmRSS") * 1024
 
 
+def _reset_high_water_mark() -> bool:
+    """Reset this process's ``VmHWM`` to its current resident memory (Linux 4.0+:
+    ``5`` written to ``/proc/self/clear_refs``); False where that is refused."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return True
+
+
 class MemoryMeter:
     """The run's memory readings (module docstring), with the peak kept across
-    readings; ``read()`` is cheap (a few ``/proc`` files)."""
+    readings from the meter's start; ``read()`` is cheap (a few ``/proc`` files).
+    Where the high-water mark cannot be reset, the peak is the readings' alone."""
 
     def __init__(self, read_rss: Callable[[], tuple[int, int]] = process_tree_rss) -> None:
         self.read_rss = read_rss
         self.peak = 0
         self.supported = Path("/proc/self/status").exists()
+        self.hwm = self.supported and _reset_high_water_mark()
 
     def read(self) -> dict[str, float]:
         """``memory/*`` metrics now (empty where ``/proc`` is absent)."""
         if not self.supported:
             return {}
         children, own = self.read_rss()
-        hwm = _status_kib("self", "VmHWM") * 1024
+        hwm = _status_kib("self", "VmHWM") * 1024 if self.hwm else 0
         self.peak = max(self.peak, children + max(own, hwm))
         out = {"memory/rss_gib": (children + own) / GIB, "memory/peak_gib": self.peak / GIB}
         out["memory/page_faults_m"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt / 1e6

