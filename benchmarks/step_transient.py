@@ -22,7 +22,7 @@ from sao.app.memory import LOGIT_CHUNK, saved_activation_bytes
 from sao.models.checkpointing import checkpoint_layers
 from sao.models.loading import load_policy
 from sao.models.logprobs import sequence_logprobs
-from sao.runtime.memory import GIB, MemoryMeter, _status_kib, heap
+from sao.runtime.memory import GIB, MemoryMeter, _status_kib, heap_live
 
 
 def main() -> None:
@@ -45,12 +45,12 @@ def main() -> None:
     tokens = torch.randint(0, model.config.vocab_size, (args.rows, args.tokens), generator=g)
     mask = torch.ones_like(tokens)
     MemoryMeter()  # resets the high-water mark
-    rss0, live0 = _status_kib("self", "VmRSS") * 1024, heap()[0]  # type: ignore[index]
+    rss0, live0 = _status_kib("self", "VmRSS") * 1024, heap_live()
     peak, done = [live0], threading.Event()
 
     def sample() -> None:
         while not done.is_set():
-            peak[0] = max(peak[0], heap()[0])  # type: ignore[index]
+            peak[0] = max(peak[0], heap_live())
             time.sleep(0.001)
 
     watcher = threading.Thread(target=sample)

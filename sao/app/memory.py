@@ -33,8 +33,6 @@ free memory; the runtime, host memory, is left out there.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -48,7 +46,8 @@ from sao.app.engines import context_window, weight_dtypes
 from sao.app.parts import Parts
 from sao.config import Config, ConfigError
 from sao.envs.base import Task
-from sao.rollout.chat import encode_first_observation
+from sao.rollout.chat import encode_first_observation, validate_observation
+from sao.rollout.envthread import EnvCalls
 from sao.runtime.memory import GIB, process_tree_rss
 
 __all__ = ["MemoryEstimate", "check_memory", "estimate_peak", "longest_episode"]
@@ -115,21 +114,23 @@ def saved_activation_bytes(policy: PreTrainedModel, rows: int, tokens: int) -> i
     return total
 
 
-async def longest_prompt(task: Task, tokenizer: PreTrainedTokenizerBase, n: int = 8) -> int | None:
-    """Tokens of the longest of the first ``n`` held-out prompts (None if the
-    task's environments cannot be reset here within a few seconds)."""
+async def longest_prompt(
+    task: Task, tokenizer: PreTrainedTokenizerBase, timeout_s: float, n: int = 8
+) -> int | None:
+    """Tokens of the longest of the first ``n`` held-out prompts, each reset as the
+    agent loop resets it (:class:`~sao.rollout.envthread.EnvCalls`, ``timeout_s``);
+    None if one cannot be (an estimate: the episode budget then bounds it)."""
     longest = 0
-    try:
-        for i in range(min(n, task.eval_size)):
-            env = task.make_env("eval", i)
-            obs = await asyncio.wait_for(env.reset(i), timeout=5.0)
+    for i in range(min(n, task.eval_size)):
+        calls = EnvCalls(task.make_env("eval", i))
+        try:
+            raw = await calls.reset(i, timeout_s)
+            obs = validate_observation(raw, vocab_size=len(tokenizer), where="Env.reset")
             longest = max(longest, len(encode_first_observation(tokenizer, obs)[0]))
-            with contextlib.suppress(Exception):
-                close = getattr(env, "aclose", None)
-                if close is not None:
-                    await close()
-    except Exception:  # (an estimate: the episode budget then bounds it)
-        return None
+        except Exception:
+            return None
+        finally:
+            calls.close()
     return longest or None
 
 
@@ -226,9 +227,8 @@ def check_memory(estimate: MemoryEstimate, available: float | None, *, enforce: 
     line += f"; {available / GIB:.1f} GiB available"
     if estimate.total <= available or not enforce:
         return line
-    owners = sorted(estimate.parts, key=lambda k: -estimate.parts[k])
+    owners = sorted((k for k in estimate.parts if _LEVERS[k]), key=lambda k: -estimate.parts[k])
     levers = [f"{k} ({estimate.parts[k] / GIB:.2f} GiB): {_LEVERS[k]}" for k in owners]
-    levers = [lever for lever, k in zip(levers, owners, strict=True) if _LEVERS[k]]
     raise ConfigError(
         f"this run is expected to need {estimate.total / GIB:.1f} GiB at its peak, more than the "
         f"{available / GIB:.1f} GiB available. "

@@ -98,12 +98,12 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
     meter = MemoryMeter()  # memory/*: resident now, the peak from here on, the allocator's
     try:
         parts = build_parts(cfg, ckpt, task, models=cfg.runtime.backend == "local")
-        expected = _memory_check(parts, runtime)
+        meter.expected_gib = _memory_check(parts, runtime)
     except BaseException:
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
         raise
-    return asyncio.run(_run(parts, run_dir, ckpt, task, expected, meter))
+    return asyncio.run(_run(parts, run_dir, ckpt, task, meter))
 
 
 def _memory_check(p: Parts, runtime: int) -> float | None:
@@ -114,7 +114,7 @@ def _memory_check(p: Parts, runtime: int) -> float | None:
         return None
     prompt = None  # an agent's prompts come from its own code
     if not isinstance(p.task, AgentTask):
-        prompt = asyncio.run(longest_prompt(p.task, p.tokenizer))
+        prompt = asyncio.run(longest_prompt(p.task, p.tokenizer, p.limits.reset_timeout_s))
     estimate = estimate_peak(p, prompt, runtime)
     available = available_bytes(p.device)
     print(check_memory(estimate, available, enforce=p.cfg.train.memory_check))
@@ -183,11 +183,9 @@ async def _run(
     run_dir: Path,
     ckpt: Path | None,
     task: TrainTask | None,
-    expected: float | None,
     meter: MemoryMeter,
 ) -> Path:
     """The run loop; ``task`` is the caller's own task (None: the built-in one);
-    ``expected``: the peak memory the pre-training estimate gave (GiB), for the summary;
     ``meter`` reads the memory the run holds (started before the models were loaded)."""
     cfg, algo = p.cfg, p.cfg.algo.resolve()
     total = cfg.train.steps + algo.critic_pretrain_steps  # warm-up batches come first
@@ -239,7 +237,7 @@ async def _run(
                 await _export_stopped(handle, run_dir, cfg, logger, e)
                 raise
         logger.close()
-        await _finish(p, handle, run_dir, logger.history, expected)
+        await _finish(p, handle, run_dir, logger.history, meter.expected_gib)
     finally:
         logger.close()
         ledger.close()

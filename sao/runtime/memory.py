@@ -42,7 +42,7 @@ import resource
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["MemoryMeter", "give_back_freed", "heap", "process_tree_rss"]
+__all__ = ["MemoryMeter", "give_back_freed", "heap_live", "process_tree_rss"]
 
 GIB = float(2**30)
 
@@ -61,7 +61,7 @@ class _Mallinfo2(ctypes.Structure):
             "usmblks",
             "fsmblks",
             "uordblks",  # bytes in use in the arenas
-            "fordblks",  # bytes free in the arenas
+            "fordblks",  # bytes free in the arenas (resident or given back)
             "keepcost",
         )
     ]
@@ -82,14 +82,14 @@ def _libc() -> ctypes.CDLL | None:
     return libc
 
 
-def heap() -> tuple[int, int] | None:
-    """Bytes malloc has handed out and not had back (arenas + mmapped blocks), and
-    bytes freed but still held in its arenas; None where that cannot be read."""
+def heap_live() -> int | None:
+    """Bytes malloc has handed out and not had back (arenas + mmapped blocks); None
+    where that cannot be read."""
     libc = _libc()
     if libc is None:
         return None
     info = libc.mallinfo2()
-    return info.uordblks + info.hblkhd, info.fordblks
+    return info.uordblks + info.hblkhd
 
 
 def give_back_freed() -> None:
@@ -158,6 +158,8 @@ class MemoryMeter:
         self.peak = 0
         self.supported = Path("/proc/self/status").exists()
         self.hwm = self.supported and _reset_high_water_mark()
+        self.expected_gib: float | None = None
+        """The peak the estimate before training gave (GiB), for the run's summary."""
 
     def read(self) -> dict[str, float]:
         """``memory/*`` metrics now (empty where ``/proc`` is absent)."""
@@ -168,7 +170,7 @@ class MemoryMeter:
         self.peak = max(self.peak, children + max(own, hwm))
         out = {"memory/rss_gib": (children + own) / GIB, "memory/peak_gib": self.peak / GIB}
         out["memory/page_faults_m"] = resource.getrusage(resource.RUSAGE_SELF).ru_minflt / 1e6
-        held = heap()
-        if held is not None:
-            out["memory/heap_live_gib"] = held[0] / GIB
+        live = heap_live()
+        if live is not None:
+            out["memory/heap_live_gib"] = live / GIB
         return out
