@@ -116,6 +116,14 @@ class AlgoPreset:
     (paper). Keeps a young critic's token-to-token noise out of the actor's advantages
     [choice, not the paper's].
     """
+    ev_gate: bool = False
+    """EVPO's gate (Pan et al. 2026, arXiv 2604.19485): on each batch, the actor's advantages
+    come from the critic only when its explained variance of the critic's targets over the
+    batch's action tokens (``1 - Var(R - V) / Var(R)``, the values before this step's update)
+    is above 0; otherwise from the batch mean (``R - mean R`` on every token of an episode),
+    whose variance is then the lower. The critic trains either way. False: always the critic
+    (paper) [choice, not the paper's].
+    """
     gamma: float = 1.0
     """Discount factor."""
 

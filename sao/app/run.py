@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import random
 import shutil
 import time
@@ -53,7 +54,7 @@ from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
 from sao.runtime.trainers import LocalTrainer, TrainerHandle
 from sao.runtime.transcripts import EVAL_SAMPLES, EvalSamples, last_evaluation
-from sao.train.critic_fit import heldout_fit
+from sao.train.critic_fit import heldout_fit, heldout_fit_by_turn
 from sao.train.guard import NonFiniteError
 from sao.types import FAILURES as FAILED
 from sao.types import Trajectory
@@ -346,7 +347,8 @@ async def _eval(
     p: Parts, runner: EpisodeRunner, samples: EvalSamples, step: int, handle: TrainerHandle
 ) -> dict[str, float]:
     """Held-out evaluation at ``step``: its metrics, with how well the critic's value at
-    each held-out prompt predicts the reward (``eval/critic_ev``, ``eval/critic_auc``);
+    each held-out prompt predicts the reward (``eval/critic_ev``, ``eval/critic_auc``)
+    and its value at the start of each later turn (``eval/critic_{ev,auc}_turnK``);
     its transcripts go to ``samples``."""
     r = await evaluate(
         runner, episodes=p.cfg.eval.episodes, max_new_tokens=p.cfg.rollout.max_new_tokens
@@ -354,9 +356,10 @@ async def _eval(
     samples.record(step, r.trajectories)
     if not p.cfg.algo.resolve().use_critic:
         return r.metrics()
-    values = await handle.prompt_values(list(r.trajectories))
+    values = await handle.turn_values(list(r.trajectories))
     rewards = [0.0 if t.finish_reason in FAILED else t.reward for t in r.trajectories]
-    return r.metrics() | heldout_fit(values, rewards)
+    first = [v[0] if v else math.nan for v in values]
+    return r.metrics() | heldout_fit(first, rewards) | heldout_fit_by_turn(values, rewards)
 
 
 _BUFFER_COUNTERS = ("filtered", "failed")

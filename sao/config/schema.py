@@ -131,6 +131,9 @@ class AlgoConfig(_Section):
     """Override: train only the critic's top N layers, final norm and head (not the paper's)."""
     critic_ready_gain: float | None = None
     """Override: actor lambda 1 until ``critic/heldout_gain`` reaches this (not the paper's)."""
+    ev_gate: bool | None = None
+    """Override: batch-mean advantages when the critic's batch explained variance is <= 0
+    (EVPO; not the paper's)."""
     lam_actor: float | None = None
     """Override: fixed actor lambda (default: length-adaptive)."""
     lam_alpha: float | None = None

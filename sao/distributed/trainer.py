@@ -177,11 +177,11 @@ class TrainerRank:
             num_episodes=len(trajectories),
         )
 
-    def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
-        """The critic's value after each prompt (a collective forward of the critic)."""
-        from sao.train.critic_fit import prompt_values
+    def turn_values(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """The critic's value at the start of each turn (a collective forward of the critic)."""
+        from sao.train.critic_fit import turn_values
 
-        return prompt_values(self.trainer, trajectories)
+        return turn_values(self.trainer, trajectories)
 
     def export(self, directory: str) -> None:
         """The gathered policy and tokenizer in Hugging Face format (collective)."""
@@ -384,9 +384,9 @@ class RayTrainerGroup:
     ) -> Any:
         return (await self._all("score", trajectories, sampling))[0]
 
-    async def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
+    async def turn_values(self, trajectories: list[Trajectory]) -> list[list[float]]:
         group = self.critics or self.ranks  # (the critic's own ranks when it has them)
-        return (await self._all("prompt_values", trajectories, group=group))[0]
+        return (await self._all("turn_values", trajectories, group=group))[0]
 
     async def save_models(self, directory: Path) -> None:
         everyone = self.ranks + self.critics  # (each group writes its own part)

@@ -352,11 +352,49 @@ def summarize(history: list[dict[str, float]]) -> dict[str, float]:
     for key in ("dropped/stale", "episodes/env_error", "idle/trainer_frac", "idle/rollout_frac"):
         if key in last:
             out[key] = last[key]
-    for key in ("eval/critic_ev", "eval/critic_auc"):  # the critic on held-out prompts
+    # the critic on held-out prompts and at each turn's start, and what the environments
+    # reported of the held-out episodes (``eval/guess/in_interval``): first and last
+    keys = {k for r in history for k in r if k.startswith("eval/") and k not in _EVAL_OWN}
+    for key in sorted(keys):
         seen = [r[key] for r in history if key in r and math.isfinite(r[key])]
         if seen:
             out[f"{key}_first"], out[f"{key}_last"] = seen[0], seen[-1]
     return out
+
+
+_EVAL_OWN = ("eval/success", "eval/reward_mean", "eval/env_error", "eval/timeout", "eval/error")
+"""The evaluation's own counters (the summary has success's first, last and best)."""
+
+_BY_TURN = re.compile(r"^eval/critic_auc_turn(\d+)$")
+
+
+def _critic_by_turn(history: list[dict[str, float]], plt: Any, path: Path) -> bool:
+    """The critic's held-out AUC at the start of each turn, one line per evaluation
+    (at most 6, spread over the run): does it rank episodes better once earlier
+    turns have revealed more? False when no evaluation has two turns."""
+    rows = []
+    for r in history:
+        pts = sorted(
+            (int(m[1]), v) for k, v in r.items() if (m := _BY_TURN.match(k)) and math.isfinite(v)
+        )
+        if len(pts) >= 2:
+            rows.append((r["step"], pts))
+    if not rows:
+        return False
+    if len(rows) > 6:
+        rows = [rows[round(i * (len(rows) - 1) / 5)] for i in range(6)]
+    fig, ax = plt.subplots(figsize=(5, 3.2), dpi=110)
+    for step, pts in rows:
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=".", label=f"step {step:g}")
+    ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    ax.set_xlabel("turn")
+    ax.set_ylabel("held-out critic AUC at the turn's start")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return True
 
 
 def write_plots(history: list[dict[str, float]], out_dir: Path) -> list[Path]:
@@ -381,4 +419,6 @@ def write_plots(history: list[dict[str, float]], out_dir: Path) -> list[Path]:
         fig.savefig(path)
         plt.close(fig)
         written.append(path)
+    if _critic_by_turn(history, plt, out_dir / "critic_by_turn.png"):
+        written.append(out_dir / "critic_by_turn.png")
     return written

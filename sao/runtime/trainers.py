@@ -37,8 +37,9 @@ class TrainerHandle(Protocol):
         self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None
     ) -> LogprobReport: ...
 
-    async def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
-        """The critic's value after each trajectory's prompt (NaN without a critic)."""
+    async def turn_values(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        """The critic's value at the start of each turn of each trajectory (NaN
+        without a critic; :func:`~sao.train.critic_fit.turn_values`)."""
         ...
 
     async def save_models(self, directory: Path) -> None:
@@ -108,10 +109,10 @@ class LocalTrainer:
             engine=engine,
         )
 
-    async def prompt_values(self, trajectories: list[Trajectory]) -> list[float]:
-        from sao.train.critic_fit import prompt_values
+    async def turn_values(self, trajectories: list[Trajectory]) -> list[list[float]]:
+        from sao.train.critic_fit import turn_values
 
-        return await asyncio.to_thread(releasing(prompt_values), self.trainer, trajectories)
+        return await asyncio.to_thread(releasing(turn_values), self.trainer, trajectories)
 
     async def save_models(self, directory: Path) -> None:
         def write() -> None:

@@ -46,7 +46,7 @@ class _Critic(Protocol):
     def values(self, batch: Batch) -> torch.Tensor | None: ...
 
 
-__all__ = ["CriticFit", "first_action_values", "heldout_fit", "prompt_values"]
+__all__ = ["CriticFit", "first_action_values", "heldout_fit", "heldout_fit_by_turn", "turn_values"]
 
 
 def first_action_values(
@@ -122,21 +122,23 @@ class CriticFit:
         self.count = int(state["count"])  # type: ignore[call-overload]
 
 
-def prompt_values(trainer: _Critic, trajectories: Sequence[Trajectory]) -> list[float]:
-    """The critic's value at each trajectory's first action token (the state
-    after its prompt), in order; NaN for one without an action token (a failed
-    episode) and for all of them when the trainer has no critic. One forward of
-    the critic, no gradient (on every rank of a sharded critic: a collective)."""
-    out = [math.nan] * len(trajectories)
+def turn_values(trainer: _Critic, trajectories: Sequence[Trajectory]) -> list[list[float]]:
+    """The critic's value at the first action token of each turn of each
+    trajectory (the state the turn starts from: the prompt and every earlier
+    action and observation), in order; ``[]`` for a trajectory without an action
+    token (a failed episode) and NaN for every turn when the trainer has no
+    critic. One forward of the critic, no gradient (on every rank of a sharded
+    critic: a collective)."""
+    out = [[math.nan] * len(t.turns) if t.num_action_tokens else [] for t in trajectories]
     rows = [i for i, t in enumerate(trajectories) if t.num_action_tokens > 0]
     if trainer.critic is None or not rows:
         return out
     batch = collate([trajectories[i] for i in rows]).to(trainer.device)
     values_BT = trainer.values(batch)
     assert values_BT is not None
-    v_B, _ = first_action_values(values_BT, values_BT, batch.action_mask_BT)
-    for i, v in zip(rows, v_B.tolist(), strict=True):
-        out[i] = v
+    values_BT = values_BT.detach().float().cpu()
+    for b, i in enumerate(rows):
+        out[i] = [float(values_BT[b, turn.start]) for turn in trajectories[i].turns]
     return out
 
 
@@ -151,6 +153,28 @@ def heldout_fit(values: Sequence[float], rewards: Sequence[float]) -> dict[str, 
     if len(pairs) < 2:
         return {}
     return _ev_auc([p[0] for p in pairs], [p[1] for p in pairs], "eval/critic")
+
+
+def heldout_fit_by_turn(
+    values: Sequence[Sequence[float]], rewards: Sequence[float]
+) -> dict[str, float]:
+    """Per-turn calibration: ``eval/critic_ev_turnK`` and ``eval/critic_auc_turnK``
+    of the value at the start of turn K (1-based) against the episode's reward,
+    over the held-out episodes that reached turn K (``values`` as
+    :func:`turn_values` returns them). A critic that credits turns ranks
+    episodes better at later turns, where what the earlier turns revealed is in
+    its input; one that reads only the prompt stays at turn 1's figure."""
+    out: dict[str, float] = {}
+    for k in range(max((len(v) for v in values), default=0)):
+        pairs = [
+            (v[k], r)
+            for v, r in zip(values, rewards, strict=True)
+            if len(v) > k and math.isfinite(v[k])
+        ]
+        if len(pairs) >= 2:
+            fit = _ev_auc([p[0] for p in pairs], [p[1] for p in pairs], "eval/critic")
+            out |= {f"{key}_turn{k + 1}": x for key, x in fit.items()}
+    return out
 
 
 def _ev_auc(values: Sequence[float], returns: Sequence[float], prefix: str) -> dict[str, float]:

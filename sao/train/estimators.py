@@ -34,7 +34,7 @@ from sao.algo.losses import (
     tis_weights,
 )
 from sao.algo.presets import AlgoPreset
-from sao.algo.stats import masked_mean, masked_var
+from sao.algo.stats import explained_variance, masked_mean, masked_var
 from sao.types import Batch
 
 Stats = dict[str, torch.Tensor]
@@ -49,6 +49,8 @@ class Targets:
     advantages_BT: torch.Tensor
     returns_BT: torch.Tensor | None
     critic_mask_BT: torch.Tensor | None
+    critic_baseline: bool | None = None
+    """With ``algo.ev_gate``: whether the critic gave the advantages (else the batch mean)."""
 
 
 def group_index(group_ids: tuple[str, ...], device: torch.device | None = None) -> torch.Tensor:
@@ -105,11 +107,27 @@ CRITIC_ADVANTAGES = ("gae", "step_average", "step_last_token")
 
 
 def _critic_targets(algo: AlgoPreset, batch: Batch, values_BT: torch.Tensor) -> Targets:
-    """Token GAE or step-level GAE: decoupled lambdas (actor adaptive, critic 1)."""
+    """Token GAE or step-level GAE: decoupled lambdas (actor adaptive, critic 1); with
+    ``algo.ev_gate`` the batch mean instead when the critic explains no variance."""
     mask = batch.action_mask_BT
-    adv = _critic_gae(algo, batch, values_BT, actor_lambda(algo, batch))[0]
     ret, critic_mask = critic_returns(algo, batch, values_BT)
-    return Targets(_whiten(algo, adv, mask), ret, critic_mask)
+    use_critic = critic_explains(values_BT, ret, critic_mask) if algo.ev_gate else True
+    if use_critic:
+        adv = _critic_gae(algo, batch, values_BT, actor_lambda(algo, batch))[0]
+    else:
+        adv = broadcast_to_tokens(batch.rewards_B - batch.rewards_B.mean(), mask)
+    gate = use_critic if algo.ev_gate else None
+    return Targets(_whiten(algo, adv, mask), ret, critic_mask, critic_baseline=gate)
+
+
+def critic_explains(
+    values_BT: torch.Tensor, returns_BT: torch.Tensor, mask_BT: torch.Tensor
+) -> bool:
+    """EVPO's test: the critic's explained variance of ``returns_BT`` over the masked
+    tokens is above 0, so ``R - V`` varies less than ``R - mean R`` (False when the
+    returns are all equal: the batch mean's advantages are then 0, the critic's noise)."""
+    ev = explained_variance(values_BT, returns_BT, mask_BT)
+    return bool(torch.isfinite(ev) and ev > 0)
 
 
 def critic_returns(

@@ -457,6 +457,10 @@ class Trainer:
         }
         if targets is not None:  # (None: a bad step without advantages)
             stats["train/advantage_mean"] = (targets.advantages_BT * mask).sum() / n
+            if targets.critic_baseline is not None:  # algo.ev_gate: 1 critic, 0 batch mean
+                stats["critic/ev_gate"] = torch.tensor(
+                    float(targets.critic_baseline), device=self.device
+                )
         if self.critic is not None and self.algo.advantage in CRITIC_ADVANTAGES:
             fit = {k: torch.tensor(v, device=self.device) for k, v in self.fit.stats().items()}
             mc = torch.tensor(float(self.lambda_1), device=self.device)

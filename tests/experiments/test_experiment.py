@@ -121,6 +121,7 @@ def test_named_experiments_resolve_at_equal_trajectories(tmp_path: Path) -> None
         runs = plan(exp, tmp_path / exp.name, seeds=3)
         assert len(runs) == 3 * len(exp.arms)
         assert exp.claim and exp.cost
+    runs = plan(EXPERIMENTS["smollm2"], tmp_path / "smollm2", seeds=3)
     assert runs[-1].run_dir == (tmp_path / "smollm2/runs/running_mean/seed-2").resolve()
     assert EXPERIMENTS["gae"].preset == "calc-tiny"  # multi-turn, and RL helps there
 

@@ -28,7 +28,7 @@ from sao.models.loading import load_policy, load_tokenizer
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits, run_episode
 from sao.rollout.embedded.engine import TorchEngine
-from sao.train.critic_fit import heldout_fit, prompt_values
+from sao.train.critic_fit import heldout_fit, turn_values
 from sao.train.trainer import OptimSettings, Trainer
 from sao.types import SamplingParams, Trajectory
 
@@ -98,7 +98,7 @@ def test_the_critic_beats_a_constant_on_held_out_questions(
 
     rewards = [t.reward for t in held_out]
     mean = sum(t.reward for t in train) / len(train)  # the constant it could have learned
-    values = prompt_values(trainer, held_out)
+    values = [v[0] for v in turn_values(trainer, held_out)]
     mse = sum((r - v) ** 2 for v, r in zip(values, rewards, strict=True)) / len(rewards)
     const = sum((r - mean) ** 2 for r in rewards) / len(rewards)
     gain = 1 - mse / const

@@ -18,7 +18,13 @@ from sao.algo.presets import PRESETS
 from sao.models import classify_parameter, freeze_attention, freeze_below
 from sao.models.tiny import build_tiny_policy
 from sao.models.value import ValueModel
-from sao.train.critic_fit import CriticFit, first_action_values, heldout_fit, prompt_values
+from sao.train.critic_fit import (
+    CriticFit,
+    first_action_values,
+    heldout_fit,
+    heldout_fit_by_turn,
+    turn_values,
+)
 from sao.train.trainer import OptimSettings, Trainer
 from tests.models.conftest import make_arch_model
 from tests.train.test_presets_step import TOK
@@ -134,11 +140,18 @@ def test_the_window_holds_values_from_before_each_update() -> None:
     assert [p[0] for p in trainer.fit.pairs] == pytest.approx(v.tolist())
     assert [p[1] for p in trainer.fit.pairs] == pytest.approx([t.reward for t in trajs], abs=1e-6)
     # the held-out readings: one value per trajectory, NaN for one without an action
-    values = prompt_values(trainer, trajs)
-    assert len(values) == 6 and all(math.isfinite(x) for x in values)
+    by_turn = turn_values(trainer, trajs)
+    after = trainer.values(batch)
+    assert after is not None
+    v_after, _ = first_action_values(after, after, batch.action_mask_BT)
+    values = [v[0] for v in by_turn]
+    assert values == pytest.approx(v_after.tolist(), abs=1e-5)  # turn 1: the first action
+    for b, (t, vs) in enumerate(zip(trajs, by_turn, strict=True)):  # each turn's first token
+        assert vs == pytest.approx([after[b, turn.start].item() for turn in t.turns], abs=1e-5)
+    assert all(math.isfinite(x) for x in values)
     fit = heldout_fit(values, [t.reward for t in trajs])
     assert set(fit) == {"eval/critic_ev", "eval/critic_auc"}
-    assert all(math.isnan(x) for x in prompt_values(_trainer("grpo"), trajs))
+    assert all(math.isnan(x) for v in turn_values(_trainer("grpo"), trajs) for x in v)
 
 
 def test_a_zero_head_starts_every_value_at_zero() -> None:
@@ -182,3 +195,23 @@ def test_a_top_layer_critic_step_leaves_the_lower_layers_bitwise() -> None:
     trainer.step([episode(rng, 2, f"g{i}") for i in range(8)], train_actor=False)
     for n, p in critic.named_parameters():
         assert torch.equal(p, before[n]) != p.requires_grad, n
+
+
+def test_calibration_by_turn_counts_the_episodes_that_reached_each_turn() -> None:
+    # turn 1: values 0.2, 0.4, 0.6 for rewards 0, 1, 1 -> AUC 1 (both successes above
+    # the failure); EV = 1 - Var(R - V) / Var(R): R - V = -0.2, 0.6, 0.4, mean 0.2667,
+    # Var = (0.2178 + 0.1111 + 0.0178) / 3 = 0.1156; Var(R) = 2/9 = 0.2222 -> EV 0.48.
+    # turn 2: only the two longer episodes (values 0.9 for reward 0, 0.1 for reward 1):
+    # AUC 0. Turn 3: one episode -> left out. A NaN value and a failed episode ([]) are
+    # left out too.
+    values = [[0.2, 0.9, 0.5], [0.4, 0.1], [0.6], [], [math.nan]]
+    fit = heldout_fit_by_turn(values, [0.0, 1.0, 1.0, 0.0, 1.0])
+    assert set(fit) == {
+        "eval/critic_ev_turn1",
+        "eval/critic_auc_turn1",
+        "eval/critic_auc_turn2",
+        "eval/critic_ev_turn2",
+    }
+    assert fit["eval/critic_auc_turn1"] == pytest.approx(1.0)
+    assert fit["eval/critic_ev_turn1"] == pytest.approx(1 - 0.1156 / (2 / 9), abs=1e-3)
+    assert fit["eval/critic_auc_turn2"] == pytest.approx(0.0)

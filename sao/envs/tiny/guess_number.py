@@ -16,9 +16,21 @@ number 21)::
 
 Score 1.0 iff the number is found within ``max_turns`` actions (default
 ``ceil(log2 N) + 1``, exactly enough for binary search). A malformed line gets
-``format: guess 16`` and an out-of-range guess ``out of range 1-32``; both
-waste a turn. When an action spans several lines only its last non-empty line
-is read.
+``reply 'guess N', N a number in 1-32`` and an out-of-range guess
+``out of range 1-32``; both waste a turn. The hint names no number: a hint
+``format: guess 16`` was copied verbatim by a pretrained model on every later
+turn. When an action spans several lines only its last non-empty line is read.
+
+``shots`` > 0 puts that many whole games before the prompt as earlier chat
+turns: fixed train problems (``shots_seed``; the same for every run seed by
+default), each played by exact binary search to the hidden number, so a
+pretrained chat model sees the game instead of reading about it.
+
+Each step reports how the policy uses the feedback: ``metric/guess/in_interval``
+is the share of guesses after the first that lie inside the interval the
+earlier feedback allows (a repeated or excluded guess is outside);
+``metric/guess/turns`` counts the actions and ``metric/guess/wasted`` the
+malformed or out-of-range ones.
 
 Splits: the prompt never reveals the number, so there is no problem text to
 leak; the splits are separate hash streams. Train problem ``i`` hides
@@ -37,6 +49,7 @@ from sao.envs._split import stable_hash
 from sao.envs._state import expect_same, read, read_list
 from sao.envs._tools import Transcript, as_observation, last_line, opening
 from sao.envs.base import Conversation, Observation, Split, StepResult
+from sao.types import Message
 
 __all__ = ["GuessNumberEnv", "GuessNumberTask"]
 
@@ -44,18 +57,26 @@ SYSTEM_PROMPT = (
     "A number is hidden. Reply 'guess N'; you will be told 'higher' or 'lower'. "
     "Find it within the given tries."
 )
-FORMAT_HINT = "format: guess 16"
 _LINE = re.compile(r"^guess\s*:?\s*(-?\d{1,12})\s*\.?$", re.IGNORECASE)
 
 
 class GuessNumberEnv:
     """One guessing episode; state lives in typed attributes (see module docstring)."""
 
-    def __init__(self, target: int, *, n: int, max_turns: int, system: bool) -> None:
+    def __init__(
+        self,
+        target: int,
+        *,
+        n: int,
+        max_turns: int,
+        system: bool,
+        shots: tuple[Message, ...] = (),
+    ) -> None:
         self.target = target
         self.n = n
         self.max_turns = max_turns
         self.system = system
+        self.shots = shots
         self.turns = 0
         self.wasted = 0
         self.guesses: list[int] = []
@@ -67,9 +88,16 @@ class GuessNumberEnv:
         """The first user message."""
         return f"guess a number in 1-{self.n}, {self.max_turns} tries"
 
+    @property
+    def format_hint(self) -> str:
+        """The reply to a malformed action."""
+        return f"reply 'guess N', N a number in 1-{self.n}"
+
     def first_observation(self) -> Observation:
-        """What ``reset`` returns: the prompt, after the system message if enabled."""
-        return as_observation(opening(self.prompt, SYSTEM_PROMPT if self.system else None))
+        """What ``reset`` returns: the prompt, after the system message if enabled
+        and the shots."""
+        first = opening(self.prompt, SYSTEM_PROMPT if self.system else None)
+        return as_observation([*first[:-1], *self.shots, first[-1]])
 
     async def reset(self, seed: int) -> Observation:
         """Start the episode; the hidden number is fixed, ``seed`` is unused."""
@@ -91,14 +119,36 @@ class GuessNumberEnv:
         if self.found or self.turns >= self.max_turns:
             self.done = True
             obs = None
-        info = {"turns": self.turns, "wasted": self.wasted, "found": int(self.found)}
+        info = {
+            "turns": self.turns,
+            "wasted": self.wasted,
+            "found": int(self.found),
+            "metric/guess/turns": float(self.turns),
+            "metric/guess/wasted": float(self.wasted),
+        }
+        inside = self.in_interval()
+        if inside is not None:
+            info["metric/guess/in_interval"] = inside
         return StepResult(obs, done=self.done, info=info)
+
+    def in_interval(self) -> float | None:
+        """The share of guesses after the first that lie inside the interval the
+        feedback to the earlier ones allows (None before a second guess)."""
+        lo, hi, inside = 1, self.n, []
+        for i, guess in enumerate(self.guesses):
+            if i:
+                inside.append(lo <= guess <= hi)
+            if guess < self.target:
+                lo = max(lo, guess + 1)
+            elif guess > self.target:
+                hi = min(hi, guess - 1)
+        return sum(inside) / len(inside) if inside else None
 
     def _respond(self, action: str) -> str | None:
         m = _LINE.match(last_line(action))
         if m is None:
             self.wasted += 1
-            return FORMAT_HINT
+            return self.format_hint
         guess = int(m.group(1))
         if not 1 <= guess <= self.n:
             self.wasted += 1
@@ -142,6 +192,9 @@ class GuessNumberTask:
     ``max_turns`` defaults to ``ceil(log2 n) + 1``. ``error_rate`` is the
     per-guess probability that a demonstration guess is off-centre or
     redundant (already excluded). ``system`` prepends a system message.
+    ``shots`` games played by binary search on train problems of
+    ``shots_seed`` (default: 0, the same for every run seed) come before the
+    prompt (see the module docstring).
     """
 
     name = "guess_number"
@@ -155,6 +208,8 @@ class GuessNumberTask:
         eval_size: int = 200,
         error_rate: float = 0.2,
         system: bool = False,
+        shots: int = 0,
+        shots_seed: int = 0,
     ) -> None:
         if not 2 <= n <= 10**6:
             raise ValueError(f"GuessNumberTask option n: use a value in [2, 1e6], got {n}")
@@ -165,12 +220,33 @@ class GuessNumberTask:
             raise ValueError(f"GuessNumberTask option eval_size: use 1 or more, got {eval_size}")
         if not 0.0 <= error_rate <= 1.0:
             raise ValueError(f"GuessNumberTask option error_rate: use [0, 1], got {error_rate}")
+        if not 0 <= shots <= 16:
+            raise ValueError(f"GuessNumberTask option shots: use 0 to 16, got {shots}")
         self.seed = seed
         self.n = n
         self.max_turns = turns
         self._eval_size = eval_size
         self.error_rate = error_rate
         self.system = system
+        self.shots = self._shots(shots, shots_seed)
+
+    def _shots(self, count: int, shots_seed: int) -> tuple[Message, ...]:
+        """``count`` exact binary searches for hidden numbers drawn by
+        ``shots_seed``, one game after another, as chat turns."""
+        rng = random.Random(stable_hash(shots_seed, "shots"))
+        messages: list[Message] = []
+        for _ in range(count):
+            env = GuessNumberEnv(
+                rng.randint(1, self.n), n=self.n, max_turns=self.max_turns, system=False
+            )
+            transcript = Transcript([Message("user", env.prompt)])
+            lo, hi = 1, self.n
+            while not env.done:
+                guess = (lo + hi) // 2
+                result = transcript.play(env.act, f"guess {guess}")
+                lo, hi = (guess + 1, hi) if result.observation == "higher" else (lo, guess - 1)
+            messages += transcript.conversation()
+        return tuple(messages)
 
     @property
     def eval_size(self) -> int:
@@ -193,7 +269,11 @@ class GuessNumberTask:
     def make_env(self, split: Split, index: int) -> GuessNumberEnv:
         """A fresh environment for problem ``index`` of ``split``."""
         return GuessNumberEnv(
-            self.target(split, index), n=self.n, max_turns=self.max_turns, system=self.system
+            self.target(split, index),
+            n=self.n,
+            max_turns=self.max_turns,
+            system=self.system,
+            shots=self.shots,
         )
 
     def demonstrations(self, n: int, *, seed: int) -> list[Conversation]:

@@ -9,8 +9,10 @@ import pytest
 
 from sao.envs.base import Conversation, Env, Task
 from sao.envs.registry import make_task
-from sao.envs.tiny.guess_number import FORMAT_HINT, GuessNumberEnv, GuessNumberTask
+from sao.envs.tiny.guess_number import GuessNumberEnv, GuessNumberTask
 from tests.envs.conftest import Episode, play, play_policy, replay
+
+FORMAT_HINT = "reply 'guess N', N a number in 1-32"
 
 
 def binary_search(env: GuessNumberEnv) -> Episode:
@@ -173,3 +175,42 @@ def test_system_message_option() -> None:
     first = play(env, []).first
     assert isinstance(first, tuple)
     assert [getattr(m, "role", None) for m in first] == ["system", "user"]
+
+
+def test_in_interval_counts_guesses_the_feedback_allows() -> None:
+    # hidden 21 in 1-32: 16 -> higher [17, 32]; 24 -> lower [17, 23]; 12 is excluded
+    # by the first answer; 24 again is excluded; 20 is inside: after the first guess
+    # 1/1, 1/2, 1/3, 2/4
+    env = GuessNumberEnv(21, n=32, max_turns=6, system=False)
+    ep = play(env, ["guess 16", "guess 24", "guess 12", "guess 24", "guess 20"])
+    infos = [r.info for r in ep.results]
+    assert "metric/guess/in_interval" not in infos[0]
+    assert [i["metric/guess/in_interval"] for i in infos[1:]] == [1.0, 1 / 2, 1 / 3, 2 / 4]
+    assert infos[-1]["metric/guess/turns"] == 5.0 and infos[-1]["metric/guess/wasted"] == 0.0
+
+
+def test_shots_are_fixed_binary_searches_before_the_prompt() -> None:
+    task = GuessNumberTask(n=16, shots=2, seed=3)
+    obs = task.make_env("eval", 0).first_observation()
+    assert isinstance(obs, tuple) and obs[-1].content == "guess a number in 1-16, 5 tries"
+    shots = obs[:-1]
+    assert GuessNumberTask(n=16, shots=2, seed=9).shots == shots  # the same for every run seed
+    assert GuessNumberTask(n=16, shots=2, shots_seed=1).shots != shots
+    games = [i for i, m in enumerate(shots) if m.content.startswith("guess a number")]
+    assert len(games) == 2 and shots[0].role == "user"
+    for start, end in zip(games, [*games[1:], len(shots)], strict=True):
+        game = shots[start:end]
+        guesses = [int(m.content.split()[1]) for m in game if m.role == "assistant"]
+        feedback = [m.content for m in game[2::2]]
+        assert guesses[0] == 8 and len(guesses) == len(feedback) + 1 <= 5
+        lo, hi = 1, 16
+        for g, f in zip(guesses, feedback, strict=False):  # each guess is the midpoint
+            assert g == (lo + hi) // 2 and f in ("higher", "lower")
+            lo, hi = (g + 1, hi) if f == "higher" else (lo, g - 1)
+        assert guesses[-1] == (lo + hi) // 2
+
+
+def test_shots_follow_the_system_message() -> None:
+    obs = GuessNumberTask(n=8, shots=1, system=True).make_env("train", 0).first_observation()
+    assert isinstance(obs, tuple)
+    assert [m.role for m in obs[:2]] == ["system", "user"] and obs[1].content.startswith("guess a")
