@@ -107,6 +107,16 @@ class AlgoPreset:
     [choice, not the paper's].
     """
 
+    critic_pretrain_patience: int | None = None
+    """End the critic-only warm-up once the critic's held-out gain over the running mean
+    (``critic/heldout_gain``, its predictions at the prompt before it trained on each
+    episode) has not risen for this many warm-up batches in a row: value pretraining until
+    the held-out value stops improving (VC-PPO, VAPO). ``critic_pretrain_steps`` is then the
+    most warm-up batches, and those left over train the actor: a run still takes
+    ``train.steps + critic_pretrain_steps`` batches. None: exactly ``critic_pretrain_steps``
+    (paper) [choice, not the paper's].
+    """
+
     critic_ready_gain: float | None = None
     """Give the actor Monte-Carlo advantages (lambda 1) until the critic predicts the return
     better than the running mean of earlier returns, on episodes it has not trained on:
@@ -187,6 +197,9 @@ class AlgoPreset:
             raise ValueError(
                 f"critic_train_layers must be >= 1 or None, got {self.critic_train_layers}"
             )
+        patience = self.critic_pretrain_patience
+        if patience is not None and patience < 1:
+            raise ValueError(f"critic_pretrain_patience must be >= 1 or None, got {patience}")
         if self.critic_ready_gain is not None and not self.critic_ready_gain <= 1.0:
             raise ValueError(
                 f"critic_ready_gain must be <= 1 or None, got {self.critic_ready_gain}"

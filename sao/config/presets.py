@@ -160,14 +160,14 @@ PRESETS["smollm2-arith-sao"] = {
 PRESETS["smollm2-guess"] = {
     # The multi-turn task on the real checkpoint: find a hidden number in 1-16 within 5
     # tries from higher/lower feedback, through SmolLM2's chat template. Two whole games
-    # played by binary search come first as chat turns (``shots``; the same for every
-    # seed): zero-shot, the model repeated the prompt and copied the format hint's number
-    # on every turn (0 of 60 held out). With them it starts at 0.38 greedy held out and
-    # 0.50 sampled at temperature 0.8, with 4.2 model turns an episode, and only 40% of
-    # its later guesses inside the interval the feedback allows (a guesser that ignored
-    # the feedback would find 5 of 16: 0.31): what RL can raise is the use of feedback
-    # (benchmarks/guess_start.py, BENCHMARKS.md). The value of a state depends on what
-    # the earlier turns revealed: the critic has turns to credit here. GRPO, groups of 4.
+    # played by binary search come first as chat turns (``shots``, one number in each
+    # half; the same for every seed): zero-shot, the model repeated the prompt and copied
+    # the format hint's number on every turn (0 of 60 held out). With them it starts at
+    # 0.25 greedy held out and 0.48 sampled at temperature 0.8, with 3.9-4.4 model turns
+    # an episode; only 27% of its greedy later guesses (62% sampled) lie inside the
+    # interval the feedback allows: what RL can raise is the use of feedback
+    # (benchmarks/guess_start.py, BENCHMARKS.md). The value of a state depends on what the
+    # earlier turns revealed: the critic has turns to credit here. GRPO, groups of 4.
     "model": {"path": "smollm2-135m"},
     "task": {"name": "guess_number", "options": {"n": 16, "shots": 2, "eval_size": 64}},
     "algo": {"preset": "grpo", "group_size": 4},

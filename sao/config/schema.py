@@ -129,6 +129,9 @@ class AlgoConfig(_Section):
     """Override: the new critic's value head, random or zero (not the paper's)."""
     critic_train_layers: PositiveInt | None = None
     """Override: train only the critic's top N layers, final norm and head (not the paper's)."""
+    critic_pretrain_patience: PositiveInt | None = None
+    """Override: end the warm-up when the held-out gain has not risen for this many batches
+    (critic_pretrain_steps the most; not the paper's)."""
     critic_ready_gain: float | None = None
     """Override: actor lambda 1 until ``critic/heldout_gain`` reaches this (not the paper's)."""
     ev_gate: bool | None = None

@@ -59,6 +59,7 @@ _COUNTERS = (
     "tito_checked",
     "tito_mismatches",
     "tito_rewrites",
+    "warmup_ended",
 )
 """Orchestrator attributes that are running totals over the whole run."""
 
@@ -161,6 +162,9 @@ class Orchestrator:
         self.observations_truncated = 0
         self.failures_in_a_row = 0
         self.tito_checked = self.tito_mismatches = self.tito_rewrites = 0
+        self.warmup_ended = 0
+        """1 once the trainer reported its critic-only warm-up done early
+        (``critic/pretrain_plateau``): every later batch is an actor step."""
         """Episodes given the token-in/token-out check, and those it found a
         mismatch or a template rewrite in (:mod:`sao.rollout.tito`)."""
         self.last_progress = time.monotonic()
@@ -350,7 +354,9 @@ class Orchestrator:
         on_step: Callable[[int, dict[str, float]], Awaitable[None]] | None = None,
     ) -> None:
         """Consume ``steps`` batches: the first ``warmup_steps`` train only the
-        critic (no publish), then each actor step publishes version ``v + 1``."""
+        critic (no publish), then each actor step publishes version ``v + 1``. A
+        warm-up step whose metrics hold ``critic/pretrain_plateau`` = 1 ends the
+        warm-up early: the batches left of it train the actor too."""
         self.released = self.consumed
         producer = asyncio.create_task(self.produce())
         guards = {producer, asyncio.create_task(self._watchdog())}
@@ -369,7 +375,7 @@ class Orchestrator:
                         t_took, waited_s=t_took - t0, surplus=surplus, batch_size=batch_size
                     )
                     self._wake.set()  # ahead may have grown
-                train_actor = self.consumed >= warmup_steps
+                train_actor = self.consumed >= warmup_steps or bool(self.warmup_ended)
                 taken_at = self.version
                 self.doing = f"training step {self.consumed + 1}"
                 t1 = time.perf_counter()
@@ -378,6 +384,8 @@ class Orchestrator:
                 if self.lockstep:
                     metrics["time/lockstep_wait_s"] = await self._guarded(self._generated(), guards)
                 self.consumed += 1
+                if not train_actor and metrics.get("critic/pretrain_plateau", 0.0) >= 1.0:
+                    self.warmup_ended = 1
                 if train_actor:
                     self.version += 1
                     self.doing = f"publishing weight version {self.version}"

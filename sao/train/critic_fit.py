@@ -70,6 +70,8 @@ class CriticFit:
         self.pairs: deque[tuple[float, float, float]] = deque(maxlen=window)
         self.total = 0.0  # of every return recorded (the running mean's numerator)
         self.count = 0
+        self.best = -math.inf  # the highest gain seen by plateaued(), and batches since
+        self.since_best = 0
 
     def record(self, values_B: torch.Tensor, returns_B: torch.Tensor) -> None:
         """Add one batch's predictions (made before the critic trained on it)."""
@@ -100,6 +102,18 @@ class CriticFit:
         g = self.gain()
         return self.full and math.isfinite(g) and g >= threshold
 
+    def plateaued(self, patience: int) -> bool:
+        """Called once a batch: whether the gain has not risen above its best for
+        ``patience`` batches in a row (batches before it is defined do not count)."""
+        gain = self.gain()
+        if not math.isfinite(gain):
+            return False
+        if gain > self.best:
+            self.best, self.since_best = gain, 0
+        else:
+            self.since_best += 1
+        return self.since_best >= patience
+
     def stats(self) -> dict[str, float]:
         """``critic/heldout_{gain,ev,auc}`` over the window (module docstring); one
         that is undefined yet (no running mean, all returns equal, one outcome
@@ -112,7 +126,13 @@ class CriticFit:
 
     def state_dict(self) -> dict[str, object]:
         """The window and the running mean, for checkpoints."""
-        return {"pairs": list(self.pairs), "total": self.total, "count": self.count}
+        return {
+            "pairs": list(self.pairs),
+            "total": self.total,
+            "count": self.count,
+            "best": self.best,
+            "since_best": self.since_best,
+        }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` saved."""
@@ -120,6 +140,8 @@ class CriticFit:
         self.pairs.extend(tuple(p) for p in state["pairs"])  # type: ignore[attr-defined]
         self.total = float(state["total"])  # type: ignore[arg-type]
         self.count = int(state["count"])  # type: ignore[call-overload]
+        self.best = float(state.get("best", -math.inf))  # type: ignore[arg-type]
+        self.since_best = int(state.get("since_best", 0))  # type: ignore[call-overload]
 
 
 def turn_values(trainer: _Critic, trajectories: Sequence[Trajectory]) -> list[list[float]]:

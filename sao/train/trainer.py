@@ -160,6 +160,10 @@ class Trainer:
             targets = self.targets(batch, self.values(batch), self.running_mean)
         if train_actor and targets is not None:
             stats |= self.update_actor(batch, targets.advantages_BT)
+        patience = self.algo.critic_pretrain_patience
+        if not train_actor and patience is not None:  # value pretraining until its plateau
+            done = float(self.fit.plateaued(patience))
+            stats["critic/pretrain_plateau"] = torch.tensor(done, device=self.device)
         self.end_step()
         return to_cpu(stats | self.batch_stats(batch, targets))
 

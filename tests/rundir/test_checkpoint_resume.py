@@ -29,6 +29,7 @@ from sao.rundir.checkpoint import (
     trajectory_from_dict,
     trajectory_to_dict,
 )
+from sao.train.critic_fit import CriticFit
 from sao.train.trainer import OptimSettings, Trainer
 from sao.types import SamplingParams, Trajectory, Turn
 from tests.train.test_learning import SayATask
@@ -371,6 +372,43 @@ def test_resume_inside_critic_warmup_keeps_the_actor_frozen(
     train(cfg, task=SayATask(), resume=run_dir)
     # steps 1-3 train only the critic, step 4 is the one actor step
     assert [r.get("version") for r in _metrics(run_dir)] == [None, 0, 0, 0, 1]
+
+
+def test_a_warmup_that_plateaus_hands_its_batches_to_the_actor_and_resumes(
+    tmp_path: Path, tiny_policy: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # at most 5 warm-up batches + 1 actor step = 6 batches; the held-out gain "stops
+    # rising" at the 2nd warm-up batch, so batches 3-6 are actor steps (versions 1-4)
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(
+        tiny_policy,
+        run_dir,
+        "algo.critic_pretrain_steps=5",
+        "algo.critic_pretrain_patience=1",
+        "train.steps=1",
+    )
+    asked = []
+    monkeypatch.setattr(CriticFit, "plateaued", lambda fit, p: asked.append(p) or len(asked) >= 2)
+    original = Trainer.step
+    calls = []
+
+    def crash_at_fourth(trainer: Trainer, trajectories: list[Trajectory], **kw: bool) -> Any:
+        calls.append(kw["train_actor"])
+        if len(calls) == 4:
+            raise RuntimeError("killed")
+        return original(trainer, trajectories, **kw)
+
+    with monkeypatch.context() as m:
+        m.setattr(Trainer, "step", crash_at_fourth)
+        with pytest.raises(RuntimeError, match="killed"):
+            train(cfg, task=SayATask())
+    assert calls == [False, False, True, True] and asked == [1, 1]
+    # the checkpoint of step 2 holds the decision: the resumed run trains the actor at once
+    train(cfg, task=SayATask(), resume=run_dir)
+    rows = _metrics(run_dir)
+    assert [r.get("version") for r in rows] == [None, 0, 0, 1, 2, 3, 4]
+    assert [r.get("critic/pretrain_plateau") for r in rows[1:3]] == [0.0, 1.0]
+    assert asked == [1, 1]  # never asked again once the actor trains
 
 
 def test_resume_rejects_what_cannot_change(tmp_path: Path, tiny_policy: Path) -> None:

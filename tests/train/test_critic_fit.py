@@ -215,3 +215,22 @@ def test_calibration_by_turn_counts_the_episodes_that_reached_each_turn() -> Non
     assert fit["eval/critic_auc_turn1"] == pytest.approx(1.0)
     assert fit["eval/critic_ev_turn1"] == pytest.approx(1 - 0.1156 / (2 / 9), abs=1e-3)
     assert fit["eval/critic_auc_turn2"] == pytest.approx(0.0)
+
+
+def test_plateaued_counts_batches_since_the_best_gain() -> None:
+    fit = CriticFit(window=8)
+    fit.record(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0]))  # no running mean yet
+    assert not fit.plateaued(2) and fit.best == -math.inf  # gain undefined: not counted
+    # running mean before 0.5; values 0.9/0.1 for 1/0: errors 0.01 each against 0.25
+    # each: gain 1 - 0.02 / 0.5 = 0.96 (the first batch has no running mean: left out)
+    fit.record(torch.tensor([0.9, 0.1]), torch.tensor([1.0, 0.0]))
+    assert not fit.plateaued(2) and fit.best == pytest.approx(0.96)
+    # a worse batch (0.1 for 1, 0.9 for 0: errors 0.81 each): gain 1 - 1.64 / 1.0 = -0.64
+    fit.record(torch.tensor([0.1, 0.9]), torch.tensor([1.0, 0.0]))
+    assert not fit.plateaued(2) and fit.since_best == 1
+    fit.record(torch.tensor([0.5, 0.5]), torch.tensor([1.0, 0.0]))  # no better
+    assert fit.plateaued(2) and fit.since_best == 2
+    state = fit.state_dict()
+    again = CriticFit(window=8)
+    again.load_state_dict(state)
+    assert (again.best, again.since_best) == (fit.best, 2)

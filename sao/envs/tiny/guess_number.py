@@ -22,9 +22,11 @@ Score 1.0 iff the number is found within ``max_turns`` actions (default
 turn. When an action spans several lines only its last non-empty line is read.
 
 ``shots`` > 0 puts that many whole games before the prompt as earlier chat
-turns: fixed train problems (``shots_seed``; the same for every run seed by
-default), each played by exact binary search to the hidden number, so a
-pretrained chat model sees the game instead of reading about it.
+turns, each played by exact binary search to its hidden number, so a
+pretrained chat model sees the game instead of reading about it. The hidden
+numbers alternate between the upper and the lower half of the range and take
+at least 3 guesses (drawn by ``shots_seed``; the same for every run seed by
+default): games that only ever went lower were copied whatever the feedback.
 
 Each step reports how the policy uses the feedback: ``metric/guess/in_interval``
 is the share of guesses after the first that lie inside the interval the
@@ -231,22 +233,31 @@ class GuessNumberTask:
         self.shots = self._shots(shots, shots_seed)
 
     def _shots(self, count: int, shots_seed: int) -> tuple[Message, ...]:
-        """``count`` exact binary searches for hidden numbers drawn by
-        ``shots_seed``, one game after another, as chat turns."""
+        """``count`` exact binary searches, one game after another, as chat turns.
+        Their hidden numbers alternate between the upper and the lower half of the
+        range (drawn by ``shots_seed``) and take at least 3 guesses, so the games
+        show both answers followed: shots that only ever went lower were copied
+        (8, 4, 2 whatever the feedback)."""
         rng = random.Random(stable_hash(shots_seed, "shots"))
+        half = self.n // 2
         messages: list[Message] = []
-        for _ in range(count):
-            env = GuessNumberEnv(
-                rng.randint(1, self.n), n=self.n, max_turns=self.max_turns, system=False
-            )
-            transcript = Transcript([Message("user", env.prompt)])
-            lo, hi = 1, self.n
-            while not env.done:
-                guess = (lo + hi) // 2
-                result = transcript.play(env.act, f"guess {guess}")
-                lo, hi = (guess + 1, hi) if result.observation == "higher" else (lo, guess - 1)
-            messages += transcript.conversation()
+        for k in range(count):
+            pool = range(half + 1, self.n + 1) if k % 2 == 0 else range(1, half + 1)
+            games = [self._binary_search(t) for t in pool]
+            long = [g for g in games if len(g) >= 5] or games  # 3 guesses: prompt + 5
+            messages += rng.choice(long)
         return tuple(messages)
+
+    def _binary_search(self, target: int) -> tuple[Message, ...]:
+        """The game for ``target`` played by exact binary search."""
+        env = GuessNumberEnv(target, n=self.n, max_turns=self.max_turns, system=False)
+        transcript = Transcript([Message("user", env.prompt)])
+        lo, hi = 1, self.n
+        while not env.done:
+            guess = (lo + hi) // 2
+            result = transcript.play(env.act, f"guess {guess}")
+            lo, hi = (guess + 1, hi) if result.observation == "higher" else (lo, guess - 1)
+        return transcript.conversation()
 
     @property
     def eval_size(self) -> int:

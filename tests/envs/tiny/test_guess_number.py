@@ -208,6 +208,11 @@ def test_shots_are_fixed_binary_searches_before_the_prompt() -> None:
             assert g == (lo + hi) // 2 and f in ("higher", "lower")
             lo, hi = (g + 1, hi) if f == "higher" else (lo, g - 1)
         assert guesses[-1] == (lo + hi) // 2
+        assert len(guesses) >= 3
+    # the first game's number is in the upper half, the second's in the lower: both
+    # answers are shown followed
+    finals = [int(shots[end - 1].content.split()[1]) for end in [*games[1:], len(shots)]]
+    assert finals[0] > 8 >= finals[1]
 
 
 def test_shots_follow_the_system_message() -> None:
