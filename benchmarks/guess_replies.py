@@ -128,14 +128,20 @@ def critic(run: Path) -> None:
         ]
         print(f"| {r['step']} | " + " | ".join(cells) + " |")
     steps = [r for r in history if "dis/masked_frac" in r]
+    nan = float("nan")
     if steps:
-        print("\n| step | DIS masked | low / high | staleness mean | k3 KL | ev gate |")
-        print("|---|---|---|---|---|---|")
+        print(
+            "\n| step | DIS masked | low / high | their share of the advantage mass "
+            "| masked with A < 0 | staleness mean | k3 KL | ev gate |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for r in steps:
             print(
                 f"| {r['step']} | {r['dis/masked_frac']:.3f} | {r['dis/masked_low_frac']:.3f} / "
-                f"{r['dis/masked_high_frac']:.3f} | {r.get('staleness/mean', float('nan')):.2f} "
-                f"| {r.get('dis/kl_k3', float('nan')):.3f} | {r.get('critic/ev_gate', '')} |"
+                f"{r['dis/masked_high_frac']:.3f} | {r.get('dis/masked_adv_share', nan):.3f} "
+                f"| {r.get('dis/masked_neg_adv_frac', nan):.3f} "
+                f"| {r.get('staleness/mean', nan):.2f} "
+                f"| {r.get('dis/kl_k3', nan):.3f} | {r.get('critic/ev_gate', '')} |"
             )
 
 

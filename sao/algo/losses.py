@@ -133,16 +133,32 @@ def dis_loss(
     coef = torch.where(keep, ratio * zero_off(advantages_BT.detach(), mask), 0.0)
     loss = -_aggregate(coef * logp, mask, reduction, denom)
 
-    (log_ratio_N,) = pack(mask, log_ratio)
+    log_ratio_N, adv_N = pack(mask, log_ratio, advantages_BT)
     low_frac, high_frac = _fractions_n(torch.exp(log_ratio_N), low, high)
     stats = {
         "dis/masked_frac": low_frac + high_frac,
         "dis/masked_low_frac": low_frac,
         "dis/masked_high_frac": high_frac,
+        **_masked_signal_n(log_ratio_N, adv_N, low, high),
         **_ratio_stats("dis", log_ratio_N),
         "dis/ess": _ess_n(log_ratio_N),
     }
     return loss, stats
+
+
+def _masked_signal_n(
+    log_ratio_N: torch.Tensor, adv_N: torch.Tensor, low: float, high: float
+) -> Stats:
+    """What the band throws away: ``dis/masked_adv_share``, the masked tokens' share of
+    the batch's advantage mass (sum of ``|A|``; 0 when every advantage is 0), and
+    ``dis/masked_neg_adv_frac``, the share of action tokens masked with a negative
+    advantage (``masked_frac`` minus it: masked with one >= 0)."""
+    ratio_N = torch.exp(log_ratio_N)
+    dropped_N = ~((ratio_N > low) & (ratio_N < high))
+    mass = adv_N.abs().sum()
+    share = adv_N.abs()[dropped_N].sum() / mass if bool(mass > 0) else mass * 0.0
+    neg = (dropped_N & (adv_N < 0)).to(adv_N.dtype).mean()
+    return {"dis/masked_adv_share": share, "dis/masked_neg_adv_frac": neg}
 
 
 def ppo_clip_loss(

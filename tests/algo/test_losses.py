@@ -96,7 +96,11 @@ def test_dis_loss_hand_worked() -> None:
     # ratio mean (1 + .5 + 2 + 8)/4 = 2.875; k1 = mean(-log r) = -3 ln2 / 4 = -0.519860
     # k3 = mean(r - 1 - log r) = (0 + 0.193147 + 0.306853 + 4.920558) / 4 = 1.355140
     # ESS = (Σw)^2 / (n Σw^2) = 11.5^2 / (4 · 69.25) = 0.477437
+    # masked: tokens 1 (A -2) and 3 (A 1): |A| 3 of 7 -> 0.428571; 1 of 4 tokens is
+    # masked with a negative advantage
     expected = {
+        "dis/masked_adv_share": 3 / 7,
+        "dis/masked_neg_adv_frac": 0.25,
         "dis/masked_frac": 0.5,
         "dis/masked_low_frac": 0.25,
         "dis/masked_high_frac": 0.25,
