@@ -171,7 +171,16 @@ PRESETS["smollm2-guess"] = {
     "model": {"path": "smollm2-135m"},
     "task": {"name": "guess_number", "options": {"n": 16, "shots": 2, "eval_size": 64}},
     "algo": {"preset": "grpo", "group_size": 4},
-    "rollout": {"max_turns": 5, "max_new_tokens": 8, "max_total_tokens": 512, "temperature": 0.8},
+    # Feedback is at most 25 tokens with the chat template's markers: the observation cap
+    # of 32 lets the memory check count episodes as long as they can be (~360 tokens),
+    # not the 512-token budget (expected 21.3 GiB against 14.1 measured before the cap).
+    "rollout": {
+        "max_turns": 5,
+        "max_new_tokens": 8,
+        "max_total_tokens": 512,
+        "max_observation_tokens": 32,
+        "temperature": 0.8,
+    },
     "train": {"steps": 30, "batch_size": 16, "actor_lr": 1e-5},
     "eval": {"every": 10, "episodes": 64},
 }
