@@ -316,7 +316,12 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "sao_pretrain > sao",
                 "sao_critic_lr > sao",
             ),
-            cost="(measured below, BENCHMARKS.md)",
+            cost=(
+                "~1 h 5 min a seed of sao, grpo and running_mean, one at a time on the 2 quiet "
+                "cores (a run: SAO 22-27 min, GRPO 11-12, running mean 10-13; SAO's actor step "
+                "42 s against GRPO's 20); every arm ~3.5 h a seed, 5 seeds ~18 h. A run peaks "
+                "at 12-14 GiB: --jobs 2 fits 24 GB but buys no time on 2 cores"
+            ),
         ),
     ]
 }
