@@ -46,7 +46,14 @@ class _Critic(Protocol):
     def values(self, batch: Batch) -> torch.Tensor | None: ...
 
 
-__all__ = ["CriticFit", "first_action_values", "heldout_fit", "heldout_fit_by_turn", "turn_values"]
+__all__ = [
+    "CriticFit",
+    "first_action_values",
+    "heldout_fit",
+    "heldout_fit_by_turn",
+    "turn_start_values",
+    "turn_values",
+]
 
 
 def first_action_values(
@@ -61,8 +68,26 @@ def first_action_values(
     return values_BT[rows, first].detach().float(), returns_BT[rows, first].detach().float()
 
 
+def turn_start_values(
+    values_BT: torch.Tensor, returns_BT: torch.Tensor, turn_id_BT: torch.Tensor
+) -> list[tuple[int, float, float]]:
+    """(turn index from 0, value, return) at the first action token of each turn
+    of each row (``turn_id_BT``: the turn index on action tokens, -1 elsewhere)."""
+    v, r, t = (x.detach().float().cpu() for x in (values_BT, returns_BT, turn_id_BT))
+    out = []
+    for b in range(t.shape[0]):
+        seen: set[int] = set()
+        for pos in torch.nonzero(t[b] >= 0).flatten().tolist():
+            k = int(t[b, pos])
+            if k not in seen:
+                seen.add(k)
+                out.append((k, float(v[b, pos]), float(r[b, pos])))
+    return out
+
+
 class CriticFit:
-    """A window of out-of-sample (value, return, running-mean) triples."""
+    """A window of out-of-sample (value, return, running-mean) triples at the
+    prompt, and one of (value, return) pairs at the start of each turn."""
 
     def __init__(self, window: int = 128) -> None:
         if window < 2:
@@ -72,6 +97,7 @@ class CriticFit:
         self.count = 0
         self.best = -math.inf  # the highest gain seen by plateaued(), and batches since
         self.since_best = 0
+        self.by_turn: dict[int, deque[tuple[float, float]]] = {}
 
     def record(self, values_B: torch.Tensor, returns_B: torch.Tensor) -> None:
         """Add one batch's predictions (made before the critic trained on it)."""
@@ -81,6 +107,14 @@ class CriticFit:
                 self.pairs.append((v, r, mean_before))
                 self.total += r
                 self.count += 1
+
+    def record_turns(self, items: Sequence[tuple[int, float, float]]) -> None:
+        """Add one batch's (turn, value, return) at each turn's start (values from
+        before the critic trained on the batch: :func:`turn_start_values`)."""
+        for k, v, r in items:
+            if math.isfinite(v) and math.isfinite(r):
+                window = self.by_turn.setdefault(k, deque(maxlen=self.pairs.maxlen))
+                window.append((v, r))
 
     @property
     def full(self) -> bool:
@@ -115,12 +149,19 @@ class CriticFit:
         return self.since_best >= patience
 
     def stats(self) -> dict[str, float]:
-        """``critic/heldout_{gain,ev,auc}`` over the window (module docstring); one
-        that is undefined yet (no running mean, all returns equal, one outcome
-        only) is left out, so a plot shows a gap."""
-        if not self.pairs:
-            return {}
-        fit = _ev_auc([p[0] for p in self.pairs], [p[1] for p in self.pairs], "critic/heldout")
+        """``critic/heldout_{gain,ev,auc}`` over the window (module docstring) and
+        ``critic/heldout_{ev,auc}_turnK`` of the values at the start of turn K of
+        the same (sampled) episodes; one that is undefined yet (no running mean,
+        all returns equal, one outcome only) is left out, so a plot shows a gap."""
+        fit = (
+            _ev_auc([p[0] for p in self.pairs], [p[1] for p in self.pairs], "critic/heldout")
+            if self.pairs
+            else {}
+        )
+        for k, pairs in sorted(self.by_turn.items()):  # the sampled episodes, out of sample
+            if len(pairs) >= 2:
+                turn = _ev_auc([p[0] for p in pairs], [p[1] for p in pairs], "critic/heldout")
+                fit |= {f"{key}_turn{k + 1}": x for key, x in turn.items()}
         gain = self.gain()
         return fit | ({"critic/heldout_gain": gain} if math.isfinite(gain) else {})
 
@@ -132,6 +173,7 @@ class CriticFit:
             "count": self.count,
             "best": self.best,
             "since_best": self.since_best,
+            "by_turn": {str(k): list(v) for k, v in self.by_turn.items()},
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
@@ -142,6 +184,11 @@ class CriticFit:
         self.count = int(state["count"])  # type: ignore[call-overload]
         self.best = float(state.get("best", -math.inf))  # type: ignore[arg-type]
         self.since_best = int(state.get("since_best", 0))  # type: ignore[call-overload]
+        by_turn = state.get("by_turn") or {}
+        self.by_turn = {
+            int(k): deque((tuple(p) for p in v), maxlen=self.pairs.maxlen)
+            for k, v in by_turn.items()  # type: ignore[attr-defined]
+        }
 
 
 def turn_values(trainer: _Critic, trajectories: Sequence[Trajectory]) -> list[list[float]]:

@@ -31,7 +31,7 @@ from sao.algo.baselines import RunningMeanBaseline, overlong_penalty
 from sao.algo.losses import value_loss
 from sao.algo.presets import AlgoPreset
 from sao.models.value import ValueModel
-from sao.train.critic_fit import CriticFit, first_action_values
+from sao.train.critic_fit import CriticFit, first_action_values, turn_start_values
 from sao.train.estimators import (
     CRITIC_ADVANTAGES,
     Stats,
@@ -211,6 +211,9 @@ class Trainer:
         if before_update and values_BT is not None and targets.returns_BT is not None:
             self.fit.record(
                 *first_action_values(values_BT, targets.returns_BT, batch.action_mask_BT)
+            )
+            self.fit.record_turns(
+                turn_start_values(values_BT, targets.returns_BT, batch.turn_id_BT)
             )
             self.gap = gae_gap(self.algo, batch, values_BT)
         return targets

@@ -23,6 +23,7 @@ from sao.train.critic_fit import (
     first_action_values,
     heldout_fit,
     heldout_fit_by_turn,
+    turn_start_values,
     turn_values,
 )
 from sao.train.trainer import OptimSettings, Trainer
@@ -234,3 +235,24 @@ def test_plateaued_counts_batches_since_the_best_gain() -> None:
     again = CriticFit(window=8)
     again.load_state_dict(state)
     assert (again.best, again.since_best) == (fit.best, 2)
+
+
+def test_turn_start_values_read_each_turns_first_action_token() -> None:
+    # row 0: prompt, turn 0 at 1-2, observation, turn 1 at 4; row 1: one turn at 1
+    turn_id = torch.tensor([[-1, 0, 0, -1, 1], [-1, 0, -1, -1, -1]])
+    values = torch.tensor([[9.0, 0.1, 0.2, 9.0, 0.4], [9.0, 0.6, 9.0, 9.0, 9.0]])
+    returns = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    items = turn_start_values(values, returns, turn_id)
+    assert [(k, r) for k, _, r in items] == [(0, 1.0), (1, 1.0), (0, 0.0)]
+    assert [v for _, v, _ in items] == pytest.approx([0.1, 0.4, 0.6])
+    fit = CriticFit(window=4)
+    fit.record_turns(items)
+    fit.record_turns([(1, 0.1, 0.0)])
+    stats = fit.stats()  # no prompt pairs: only the turns' readings
+    # turn 1 (index 0): values 0.1 (R 1), 0.6 (R 0): AUC 0; turn 2: 0.4 (R 1), 0.1 (R 0): AUC 1
+    assert stats["critic/heldout_auc_turn1"] == 0.0 and stats["critic/heldout_auc_turn2"] == 1.0
+    again = CriticFit(window=4)
+    again.load_state_dict(fit.state_dict())
+    assert {k: list(v) for k, v in again.by_turn.items()} == {
+        k: list(v) for k, v in fit.by_turn.items()
+    }

@@ -9,6 +9,7 @@ One spawn runs every scenario (two ranks cost ~10 s to start on busy cores).
 from __future__ import annotations
 
 import math
+import re
 import socket
 import time
 from typing import Any
@@ -71,16 +72,17 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
-RANKS = ("critic/heldout_auc",)
-"""Rank statistics: a value that differs in its last bits across ranks can swap two
-episodes' order, so one pair of 128 flips (1/110 apart seen); compared loosely."""
+RANKS = re.compile(r"^critic/heldout_auc(_turn\d+)?$")
+"""Rank statistics (at the prompt and at each turn's start): a value that differs in
+its last bits across ranks can swap two episodes' order, so one pair of 128 flips
+(1/110 apart seen); compared loosely."""
 
 
 def assert_stats_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
     assert a.keys() == b.keys()
     for k in a:
         x, y = float(a[k]), float(b[k])
-        if k in RANKS:
+        if RANKS.match(k):
             assert abs(x - y) <= 0.05, (k, x, y)
             continue
         if math.isnan(x) or math.isnan(y):
