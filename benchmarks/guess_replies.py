@@ -22,6 +22,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from arith_replies import rows  # eval_samples.jsonl by evaluation step
+
 GUESS = re.compile(r"^guess\s*:?\s*(-?\d{1,12})\s*\.?$", re.IGNORECASE)
 RANGE = re.compile(r"guess a number in 1-(\d+)")
 
@@ -78,14 +80,6 @@ def game(row: dict[str, object]) -> Game:
         (feedback if role == "user" else actions).append(text.strip())
     n = int(ranges[-1]) if ranges else 16
     return Game(actions, feedback, float(row["reward"]), n).read()  # type: ignore[arg-type]
-
-
-def rows(run: Path) -> dict[int, list[dict[str, object]]]:
-    by_step: dict[int, list[dict[str, object]]] = {}
-    for line in (run / "eval_samples.jsonl").read_text().splitlines():
-        r = json.loads(line)
-        by_step.setdefault(int(r["step"]), []).append(r)
-    return by_step
 
 
 def table(run: Path) -> None:
