@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import copy
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
@@ -26,6 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.config import Config
 from sao.models.cache import sao_home
+from sao.models.lora import engine_model, published_state
 from sao.rollout.check import logprob_budget
 from sao.rollout.embedded.engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
 from sao.rollout.engine import Engine
@@ -78,19 +78,21 @@ def context_window(policy: PreTrainedModel, max_total_tokens: int) -> int:
 def make_publish(
     engine: Engine, policy: PreTrainedModel, weights_dir: Path, group: WeightGroup | None = None
 ) -> Publish:
-    """``publish(version)``: the policy's weights to ``engine``, broadcast over
+    """``publish(version)``: the policy's weights (a LoRA policy's adapted modules,
+    merged) to ``engine``, broadcast over
     ``group`` when given, else in the first kind of source it accepts; returns
     the seconds it took (write or send, and apply)."""
 
     async def publish(version: int) -> float:
         t0 = time.perf_counter()
         if group is not None:
-            source: object = BroadcastWeights(policy.state_dict(), version, group)
+            source: object = BroadcastWeights(published_state(policy, fused=True), version, group)
         elif engine.weight_sources[0] is TensorWeights:
-            source = TensorWeights(policy.state_dict(), version)
+            source = TensorWeights(published_state(policy), version)
         else:
+            state = published_state(policy, fused=True)
             source = await asyncio.to_thread(
-                write_weights, policy.state_dict(), weights_dir, version, config=policy.config
+                write_weights, state, weights_dir, version, config=policy.config
             )
         await engine.update_weights(source)  # type: ignore[arg-type]
         return time.perf_counter() - t0
@@ -183,7 +185,7 @@ async def open_rollout_engine(
     device = next(policy.parameters()).device
     if r.engine == "torch":
         engine = TorchEngine(
-            copy.deepcopy(policy),
+            engine_model(policy),
             max_batch_size=r.max_batch_size,
             max_seq_len=context_window(policy, r.max_total_tokens),
             tokenizer=tokenizer,

@@ -28,6 +28,7 @@ from sao.models.loading import (
     resolve_device,
     resolve_dtype,
 )
+from sao.models.lora import add_lora, load_adapter
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
 from sao.runtime.orchestrator import FailurePolicy
@@ -162,10 +163,24 @@ def model_device(cfg: Config) -> tuple[torch.device, torch.dtype]:
 def load_trained_policy(
     cfg: Config, start_dir: Path | None, device: torch.device, dtype: torch.dtype
 ) -> PreTrainedModel:
-    """The policy to train: the checkpoint's (``start_dir``) or the configured one."""
-    return load_policy(
-        start_dir / "policy" if start_dir else policy_path(cfg), dtype=dtype, device=device
-    )
+    """The policy to train: the checkpoint's (``start_dir``) or the configured one;
+    with ``model.lora``, the configured base with a new adapter (or the checkpoint's)."""
+    lora = cfg.model.lora
+    if lora is None:
+        return load_policy(
+            start_dir / "policy" if start_dir else policy_path(cfg), dtype=dtype, device=device
+        )
+    base = policy_path(cfg)
+    policy = load_policy(base, dtype=dtype, device=device)
+    try:
+        add_lora(
+            policy, rank=lora.rank, alpha=lora.alpha, targets=lora.target_modules, seed=cfg.seed
+        )
+        if start_dir is not None:
+            load_adapter(policy, start_dir / "policy", base)
+    except ValueError as e:
+        raise ConfigError(f"model.lora: {e}") from None
+    return policy
 
 
 def load_critic(
@@ -182,13 +197,13 @@ def load_critic(
     algo = cfg.algo.resolve()
     if not algo.use_critic:
         return None
+    if cfg.model.critic_lora is not None:
+        return _lora_critic(cfg, start_dir, device, dtype, quiet=quiet)
     if start_dir is not None and (start_dir / "critic").is_dir():
         critic = ValueModel.from_pretrained(start_dir / "critic", dtype=dtype, device=device)
     else:
         critic = ValueModel.from_policy(
-            resolve_model_path(cfg.model.critic_path)
-            if cfg.model.critic_path
-            else policy_path(cfg),
+            critic_base(cfg),
             dtype=dtype,
             device=device,
             seed=cfg.seed,
@@ -211,6 +226,44 @@ def load_critic(
                 f"critic trains its top {algo.critic_train_layers} layers only: "
                 f"{report.num_trainable:,} parameters trainable, {report.num_frozen:,} frozen"
             )
+    return critic
+
+
+def critic_base(cfg: Config) -> Path:
+    """The checkpoint a new critic starts from: ``model.critic_path``, else the policy's."""
+    return resolve_model_path(cfg.model.critic_path) if cfg.model.critic_path else policy_path(cfg)
+
+
+def _lora_critic(
+    cfg: Config, start_dir: Path | None, device: torch.device, dtype: torch.dtype, *, quiet: bool
+) -> ValueModel:
+    """A critic with LoRA on its backbone (``model.critic_lora``): the value head and
+    the final norm train fully; with frozen attention the adapters skip attention."""
+    algo, lora = cfg.algo.resolve(), cfg.model.critic_lora
+    assert lora is not None
+    base = critic_base(cfg)
+    critic = ValueModel.from_policy(
+        base, dtype=dtype, device=device, seed=cfg.seed, head_init=algo.value_head_init
+    )
+    try:
+        report = add_lora(
+            critic.backbone,
+            rank=lora.rank,
+            alpha=lora.alpha,
+            targets=lora.target_modules,
+            skip_attention=algo.freeze_critic_attention,
+            train_final_norm=True,
+            seed=cfg.seed + 1,
+        )
+        if start_dir is not None and (start_dir / "critic").is_dir():
+            critic.load_lora(start_dir / "critic", base)
+        if algo.critic_train_layers is not None:
+            freeze_below(critic, algo.critic_train_layers)
+    except ValueError as e:
+        raise ConfigError(f"model.critic_lora: {e}") from None
+    if not quiet:
+        frozen = ", attention left out (frozen)" if algo.freeze_critic_attention else ""
+        print(f"critic LoRA: {report.describe()}{frozen}")
     return critic
 
 

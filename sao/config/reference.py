@@ -5,8 +5,10 @@ algorithm presets."""
 from __future__ import annotations
 
 from dataclasses import fields as dc_fields
+from typing import get_args
 
 from pydantic import BaseModel
+from pydantic.fields import FieldInfo
 
 from sao.algo.presets import AlgoPreset, get_preset
 from sao.config import PRESETS, Config
@@ -49,6 +51,10 @@ def reference_markdown() -> str:
         out += ["| key | default | meaning |", "|---|---|---|"]
         for key, f in section.model_fields.items():
             out.append(f"| `{name}.{key}` | {value(f.default)} | {cell(f.description)} |")
+            for sub, sf in _nested(f.annotation).items():
+                out.append(
+                    f"| `{name}.{key}.{sub}` | {value(sf.default)} | {cell(sf.description)} |"
+                )
         out.append("")
     base = get_preset("sao")
     docs = field_docs()
@@ -74,3 +80,12 @@ def reference_markdown() -> str:
         ]
         out.append(f"| `{preset_name}` | {', '.join(diff) or '(the reference)'} |")
     return "\n".join(out) + "\n"
+
+
+def _nested(annotation: object) -> dict[str, FieldInfo]:
+    """The fields of a settings object a key holds (``model.lora``: ``LoraSettings |
+    None``), so its sub-keys are documented too; {} for a plain value."""
+    for t in (annotation, *get_args(annotation)):
+        if isinstance(t, type) and issubclass(t, BaseModel):
+            return dict(t.model_fields)
+    return {}

@@ -8,7 +8,8 @@ non-zero so the very first critic step already sends gradient into the
 backbone (a zero head would block it for one step).
 
 On disk (``save_pretrained``): the backbone as a transformers base model
-(``config.json`` + ``model.safetensors``, loadable with ``AutoModel``), plus
+(``config.json`` + ``model.safetensors``, loadable with ``AutoModel``), or for a
+LoRA backbone its adapter in ``adapter/`` (peft's format), plus
 ``value_head.safetensors`` and ``value_head.json``. Written to a temporary
 directory and renamed, so a crash never leaves a half-written critic.
 """
@@ -29,11 +30,14 @@ from transformers import AutoModel, PreTrainedModel
 from sao.models.cache import atomic_dir
 from sao.models.loading import ModelLoadError, load_config, load_policy
 from sao.models.logprobs import run_backbone, validate_token_batch
+from sao.models.lora import has_lora, load_adapter, save_adapter
 
 __all__ = ["HEAD_CONFIG", "HEAD_FILE", "ValueModel"]
 
 HEAD_FILE = "value_head.safetensors"
 HEAD_CONFIG = "value_head.json"
+LORA_DIR = "adapter"
+"""Where a LoRA critic's adapter goes (its backbone is the base checkpoint's)."""
 
 
 class ValueModel(nn.Module):
@@ -115,13 +119,24 @@ class ValueModel(nn.Module):
     def save_pretrained(self, directory: str | os.PathLike[str]) -> Path:
         """Write backbone + head to ``directory`` atomically; returns the path."""
         with atomic_dir(directory) as tmp:
-            self.backbone.save_pretrained(tmp)
+            if has_lora(self.backbone):  # the adapter (peft format) and the trained norm
+                save_adapter(self.backbone, tmp / LORA_DIR)
+            else:
+                self.backbone.save_pretrained(tmp)
             state = self.value_head.state_dict()
             head = {k: v.detach().cpu().contiguous() for k, v in state.items()}
             save_file(head, str(tmp / HEAD_FILE))
             meta = {"hidden_size": self.value_head.in_features, "dtype": "float32"}
             (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
         return Path(directory)
+
+    def load_lora(self, directory: str | os.PathLike[str], base: str | os.PathLike[str]) -> None:
+        """Load the adapter and head of a LoRA critic saved by :meth:`save_pretrained`
+        into this one, whose backbone (loaded from ``base``) has the same adapter
+        layout (:func:`sao.models.lora.add_lora`)."""
+        path = Path(directory).expanduser()
+        load_adapter(self.backbone, path / LORA_DIR, base)
+        self.value_head.load_state_dict(load_file(str(path / HEAD_FILE)))
 
     @classmethod
     def from_pretrained(

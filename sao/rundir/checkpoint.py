@@ -34,6 +34,7 @@ import yaml
 from transformers import PreTrainedModel
 
 from sao.config import Config, ConfigError, parse_override, to_dict, validate
+from sao.models.lora import save_policy
 from sao.models.value import ValueModel
 from sao.rundir.failures import FAILURES
 from sao.rundir.ledger import LEDGER
@@ -98,7 +99,7 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` under ``ckpt_root`` atomically; returns its path."""
     tmp = begin_checkpoint(ckpt_root, step)
-    policy.save_pretrained(tmp / "policy")
+    save_policy(policy, tmp / "policy")
     if critic is not None:
         critic.save_pretrained(tmp / "critic")
     return finish_checkpoint(

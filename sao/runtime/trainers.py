@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sao.models.cache import atomic_dir
+from sao.models.lora import export_policy, published_state, save_policy
 from sao.rollout.check import LogprobReport, score_trajectories
 from sao.rollout.openmp import releasing
 from sao.runtime.memory import give_back_freed
@@ -95,7 +96,7 @@ class LocalTrainer:
         return stats
 
     async def weights(self) -> Any:
-        return self.p.policy.state_dict()
+        return published_state(self.p.policy)
 
     async def score(
         self, trajectories: list[Trajectory], sampling: SamplingParams, engine: Any = None
@@ -116,7 +117,7 @@ class LocalTrainer:
 
     async def save_models(self, directory: Path) -> None:
         def write() -> None:
-            self.p.policy.save_pretrained(directory / "policy")
+            save_policy(self.p.policy, directory / "policy")
             if self.p.critic is not None:
                 self.p.critic.save_pretrained(directory / "critic")
 
@@ -128,7 +129,7 @@ class LocalTrainer:
     async def export(self, directory: Path) -> None:
         def write() -> None:
             with atomic_dir(directory) as tmp:
-                self.p.policy.save_pretrained(tmp)
+                export_policy(self.p.policy, tmp)
                 self.p.tokenizer.save_pretrained(tmp)
 
         await asyncio.to_thread(releasing(write))

@@ -116,7 +116,7 @@ class Trainer:
         if policy is not None:
             self._logprobs = PolicyLogprobs(policy, settings.temperature, self.packing)
             self.actor = self.ranks.shard(self._logprobs)
-            self.actor_weights = MasterWeights(policy.parameters())
+            self.actor_weights = MasterWeights(p for p in policy.parameters() if p.requires_grad)
             self.actor_optim = adamw(self.actor_weights.params, settings.actor_lr)
             self.actor_sched = warmup(self.actor_optim, settings.actor_lr_warmup_steps)
         if critic is not None:

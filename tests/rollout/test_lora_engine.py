@@ -1,0 +1,59 @@
+"""A LoRA policy and the embedded engine agree token for token: the engine
+holds a merged plain copy, and each update sends only the adapted modules'
+merged weights (``published_state``), applied in place between decode steps."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from sao.models.lora import add_lora, engine_model, published_state
+from sao.rollout import check_logprobs
+from sao.rollout.check import LOGPROB_BUDGETS
+from sao.types import SamplingParams
+from tests.rollout.test_check import LIMITS, envs, tiny_llama
+
+FLOAT32 = LOGPROB_BUDGETS["float32"][0]
+
+
+def _train_a_little(model: torch.nn.Module, seed: int) -> None:
+    """Move every adapter as a few optimizer steps would (B starts at 0)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_" in name:
+                p.add_(torch.randn(p.shape, generator=g) * 0.3)
+
+
+def test_lora_policy_matches_the_engine_before_and_after_updates(chatml_tok):
+    torch_engine = pytest.importorskip("sao.rollout.embedded.engine")
+    model = tiny_llama(len(chatml_tok))
+    add_lora(model, rank=4, alpha=8.0)
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=6)
+    adapted = sum(p.numel() for n, p in model.named_parameters() if n.endswith("base_layer.weight"))
+
+    async def check(engine: object, version: int) -> float:
+        report = await check_logprobs(
+            engine, model, chatml_tok, envs(), sampling, LIMITS, model_version=version
+        )
+        assert report.num_tokens > 0 and report.notes == ()
+        report.check(FLOAT32)
+        return report.max_abs_delta
+
+    with torch_engine.TorchEngine(
+        engine_model(model), max_batch_size=4, max_seq_len=96, tokenizer=chatml_tok
+    ) as engine:
+        asyncio.run(check(engine, 0))
+        before = {k: v.clone() for k, v in engine._model.state_dict().items()}
+        for version in (1, 2):
+            _train_a_little(model, seed=version)
+            sent = published_state(model)
+            engine.load_weights(sent, version)
+            assert engine.version == version
+            asyncio.run(check(engine, version))
+        after = engine._model.state_dict()
+        moved = {k for k in after if not torch.equal(after[k], before[k])}
+        assert moved == set(sent)  # only the adapted modules changed in the engine
+        assert sum(t.numel() for t in sent.values()) == adapted  # no embedding, no norm
