@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -42,6 +43,7 @@ from sao.models.freeze import FROZEN_GROUPS, classify_parameter
 __all__ = [
     "ADAPTER_CONFIG",
     "LoraReport",
+    "MergedWeights",
     "adapter_base",
     "add_lora",
     "engine_model",
@@ -199,17 +201,32 @@ def _adapted(model: nn.Module) -> dict[str, Any]:
     return {n: m for n, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
-@torch.no_grad()
-def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
-    """``{"<module>.weight": W + (alpha / r) * B @ A}`` for every adapted module,
-    under the plain model's names: what an engine holding the plain model
-    needs to compute what ``model`` computes."""
-    out: dict[str, torch.Tensor] = {}
-    for name, layer in _adapted(model).items():
+class MergedWeights(Mapping[str, torch.Tensor]):
+    """``{"<module>.weight": W + (alpha / r) * B @ A}`` for every adapted module of
+    a LoRA model, under the plain model's names, each computed when it is read:
+    an engine copying them one by one holds one merged module at a time, not a
+    second copy of every adapted weight. Read it before the adapters change."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._layers = {f"{n}.weight": layer for n, layer in _adapted(model).items()}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        layer = self._layers[key]
         base = layer.get_base_layer()
-        delta = layer.get_delta_weight(ADAPTER)
-        out[f"{name}.weight"] = base.weight + delta.to(base.weight.dtype)
-    return out
+        with torch.no_grad():
+            return base.weight + layer.get_delta_weight(ADAPTER).to(base.weight.dtype)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._layers)
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every merged adapted weight of ``model`` at once (:class:`MergedWeights`):
+    what an engine holding the plain model needs to compute what ``model`` does."""
+    return dict(MergedWeights(model))
 
 
 @torch.no_grad()
@@ -325,14 +342,16 @@ a reload must bring every part of a fused layer or none."""
 
 
 @torch.no_grad()
-def published_state(model: nn.Module, *, fused: bool = False) -> dict[str, torch.Tensor]:
+def published_state(model: nn.Module, *, fused: bool = False) -> Mapping[str, torch.Tensor]:
     """What an update sends the engines: the whole state dict, or for a LoRA
     model only its adapted modules' merged weights (:func:`merged_weights`).
     ``fused`` (a server that fuses projections): also the unadapted modules of
     each fused group with an adapted member (``k_proj`` beside adapted ``q_proj``
     and ``v_proj``), so every fused layer it reloads is whole."""
     if not has_lora(model):
-        return dict(model.state_dict())
+        return model.state_dict()
+    if not fused:
+        return MergedWeights(model)
     out = merged_weights(model)
     if fused:
         state = model.state_dict()

@@ -271,3 +271,111 @@ def test_multi_turn_episodes_on_the_chatml_template_pass_the_tito_check(
         assert traj.metrics["tito/checked"] == 1.0 and traj.metrics["tito/mismatch"] == 0.0, (
             traj.error
         )
+
+
+# ---------------------------------------------------------------- LoRA
+
+
+def test_sao_check_float32_with_lora(
+    model_dir: Path, data: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``sao check`` with a LoRA policy: the trainer runs the adapted model, the
+    engine its merged plain copy (B = 0 at the start: the base's numbers)."""
+    sets = [*task_sets(model_dir, data, "float32"), "model.lora.rank=8"]
+    sets += ["rollout.max_new_tokens=48", "task.options.instruction=Explain step by step."]
+    code = main(
+        ["check", "--episodes", "4", "--budget", str(FP32_BUDGET)]
+        + [x for s in sets for x in ("--set", s)]
+    )
+    out = capsys.readouterr().out
+    assert code == 0 and "max |delta logp|" in out, out
+
+
+def test_lora_updates_reach_the_embedded_engine_exactly(
+    model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Adapters on q and v of all 30 layers, moved twice as training moves them:
+    after each in-place update of only the adapted modules, the engine's
+    log-probabilities are the adapted trainer model's (float32 budget)."""
+    from sao.models.lora import add_lora, engine_model, published_state
+    from tests.integration.test_vllm_real import max_gap
+
+    tok, policy = load_tokenizer(model_dir), load_policy(model_dir).eval()
+    add_lora(policy, rank=8, alpha=16.0, targets=["q_proj", "v_proj"])
+    prompts = [
+        list(
+            tok(
+                tok.apply_chat_template(
+                    [{"role": "user", "content": f"What is {a} + {b}?"}],
+                    add_generation_prompt=True,
+                    tokenize=False,
+                ),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
+        for a, b in PROBLEMS[:4]
+    ]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=24, seed=3)
+
+    async def go() -> list[float]:
+        engine = TorchEngine(engine_model(policy), max_batch_size=4, max_seq_len=512, tokenizer=tok)
+        gaps = []
+        try:
+            for version in (0, 1, 2):
+                if version:
+                    gen = torch.Generator().manual_seed(version)
+                    with torch.no_grad():
+                        for name, p in policy.named_parameters():
+                            if ".lora_" in name:
+                                p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                    sent = published_state(policy)
+                    assert len(sent) == 60  # q and v of 30 layers, nothing else
+                    await asyncio.to_thread(engine.load_weights, sent, version)
+                outs = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+                assert all(c.versions == (version,) * len(c.token_ids) for c in outs)
+                gaps.append(max_gap(policy, prompts, outs, 1.0))
+        finally:
+            await engine.aclose()
+        return gaps
+
+    gaps = asyncio.run(go())
+    report_line(capsys, f"LoRA policy vs embedded engine, v0/v1/v2: {gaps}")
+    assert max(gaps) < FP32_BUDGET, gaps
+
+
+def test_sao_steps_with_lora_train_only_the_adapters(
+    model_dir: Path, data: Path, tmp_path: Path
+) -> None:
+    """Two SAO steps with LoRA on the actor and the critic: the checkpoint holds
+    adapters (peft's format), ``final/`` the merged model, and only the adapted
+    modules' weights differ from the base."""
+    run = tmp_path / "run"
+    sets = [
+        *task_sets(model_dir, data, "float32"),
+        "model.lora.rank=8",
+        "model.lora.target_modules=[q_proj, v_proj]",
+        "model.critic_lora.rank=8",
+        "algo.preset=sao",
+        "algo.critic_pretrain_steps=0",
+        "train.steps=2",
+        "train.batch_size=2",
+        "train.actor_lr=1e-3",
+        "train.critic_lr=1e-3",
+        "rollout.max_new_tokens=16",
+        "rollout.in_flight=2",
+        "rollout.max_batch_size=2",
+        "eval.episodes=1",
+        "eval.every=100",
+        f"log.run_dir={run}",
+        "log.live=false",
+        "log.tensorboard=false",
+        "log.plots=false",
+    ]
+    train(load_config(None, None, sets))
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert len([r for r in rows if "actor/loss" in r]) == 2
+    start = load_file(model_dir / "model.safetensors")
+    final = load_file(run / "final" / "model.safetensors")
+    moved = {k for k in start if not torch.equal(start[k], final[k])}
+    assert moved and {k.rsplit(".", 2)[-2] for k in moved} <= {"q_proj", "v_proj"}
+    assert (run / "final" / "adapter" / "adapter_config.json").is_file()

@@ -21,7 +21,9 @@ Checks, all float32 on both sides:
     only ``model.embed_tokens.weight``; an update that changes only the
     embedding must move the head with it: vLLM's log-probs match a model
     whose head is the new embedding and not one whose head kept the old
-    embedding (the stale pre-packed head vllm_worker.py re-packs).
+    embedding (the stale pre-packed head vllm_worker.py re-packs);
+(c) a LoRA policy's update (adapters on q and v): only the fused q/k/v weights
+    ship, and vLLM's log-probabilities are the adapted model's.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from transformers import PreTrainedModel
 from sao.app.engines import make_publish
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.logprobs import sequence_logprobs
+from sao.models.lora import add_lora
 from sao.rollout.embedded.engine import TorchEngine
 from sao.rollout.remote.http_engine import ModelIdentity
 from sao.rollout.remote.vllm_engine import VLLMEngine
@@ -173,6 +176,19 @@ def test_vllm_serves_the_real_checkpoint_and_its_weight_updates(
                         p.add_(0.02 * p.std() * torch.randn(p.shape, generator=gen))
                 await publish(2)
                 await check_version(client, 2, policy, "v2 (every weight)", sampled[1:])
+
+                # (c) LoRA on q and v, moved as training moves it: the update ships the
+                # merged q and v and the unchanged k (vLLM reloads the fused qkv whole)
+                add_lora(policy, rank=8, alpha=16.0, targets=["q_proj", "v_proj"])
+                gen = torch.Generator().manual_seed(3)
+                with torch.no_grad():
+                    for name, p in policy.named_parameters():
+                        if ".lora_" in name:
+                            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+                await publish(3)
+                written = read_weights(tmp_path / "weights" / "v00000003")
+                assert {k.rsplit(".", 2)[-2] for k in written} == {"q_proj", "k_proj", "v_proj"}
+                await check_version(client, 3, policy, "v3 (LoRA on q, v)", sampled[:1])
             finally:
                 await client.aclose()
 
