@@ -219,3 +219,29 @@ def test_bad_set_items(
     message: str,
 ) -> None:
     assert message in train_fails(capsys, tmp_path, monkeypatch, "--set", item)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["model.lora.rnk=4"], "model.lora.rnk: Extra inputs are not permitted"),
+        (["model.lora.dropout=0.1"], "model.lora.dropout: Value error, 0.1 is not supported"),
+        (["model.lora.target_modules=[]"], "name at least one module"),
+        (["model.lora.rank=0"], "model.lora.rank"),
+        (["model.lora.rank=4", "runtime.backend=ray"], "runtime.backend=local only"),
+        (["model.lora.rank=4", "rollout.engine=sglang"], "rollout.engine=sglang"),
+        # known only once the model is loaded: still before anything is written
+        (["model.lora.target_modules=[qproj]"], "model.lora: unknown target module(s) ['qproj']"),
+        (["model.lora.rank=4096"], "model.lora: rank 4096 is larger than"),
+        (["model.critic_lora.target_modules=[q_proj]"], "attention is frozen, so adapt MLP"),
+    ],
+)
+def test_bad_lora_settings_fail_before_the_run(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    args: list[str],
+    says: str,
+) -> None:
+    sets = [x for a in args for x in ("--set", a)]
+    assert says in train_fails(capsys, tmp_path, monkeypatch, *sets)

@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.config import Config
 from sao.models.cache import sao_home
-from sao.models.lora import engine_model, published_state
+from sao.models.lora import adapter_update, engine_model, has_lora, published_state
 from sao.rollout.check import logprob_budget
 from sao.rollout.embedded.engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
 from sao.rollout.engine import Engine
@@ -79,7 +79,8 @@ def make_publish(
     engine: Engine, policy: PreTrainedModel, weights_dir: Path, group: WeightGroup | None = None
 ) -> Publish:
     """``publish(version)``: the policy's weights (a LoRA policy's adapted modules,
-    merged) to ``engine``, broadcast over
+    merged; or its adapters alone to servers that merge them, ``sao serve`` through
+    the weight directory) to ``engine``, broadcast over
     ``group`` when given, else in the first kind of source it accepts; returns
     the seconds it took (write or send, and apply)."""
 
@@ -89,6 +90,11 @@ def make_publish(
             source: object = BroadcastWeights(published_state(policy, fused=True), version, group)
         elif engine.weight_sources[0] is TensorWeights:
             source = TensorWeights(published_state(policy), version)
+        elif has_lora(policy) and getattr(engine, "takes_adapters", False):
+            tensors, adapter = adapter_update(policy)  # sao serve merges them itself
+            source = await asyncio.to_thread(
+                write_weights, tensors, weights_dir, version, adapter=adapter
+            )
         else:
             state = published_state(policy, fused=True)
             source = await asyncio.to_thread(

@@ -103,6 +103,8 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
     except BaseException:
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
+            if cfg.log.run_dir is None and not any(run_dir.parent.iterdir()):
+                run_dir.parent.rmdir()  # the default runs/, made for this run alone
         raise
     return asyncio.run(_run(parts, run_dir, ckpt, task, meter))
 

@@ -478,10 +478,16 @@ class Config(_Section):
     log: LogConfig = LogConfig()
 
     @model_validator(mode="after")
-    def _lora_local(self) -> Config:
+    def _lora_where_built(self) -> Config:
         if self.runtime.backend == "ray" and (self.model.lora or self.model.critic_lora):
             raise ValueError(
                 "model.lora and model.critic_lora train with runtime.backend=local only (Ray "
                 "trainer ranks shard full models); unset them or use backend=local"
+            )
+        if self.model.lora and self.rollout.engine == "sglang":
+            raise ValueError(
+                "model.lora with rollout.engine=sglang: a LoRA update reloads only the adapted "
+                "modules, which is tested on the torch, http and vllm engines only; use one of "
+                "those or full fine-tuning"
             )
         return self

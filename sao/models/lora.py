@@ -45,6 +45,7 @@ __all__ = [
     "LoraReport",
     "MergedWeights",
     "adapter_base",
+    "adapter_update",
     "add_lora",
     "engine_model",
     "export_policy",
@@ -221,6 +222,24 @@ class MergedWeights(Mapping[str, torch.Tensor]):
 
     def __len__(self) -> int:
         return len(self._layers)
+
+
+def adapter_update(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, object]]:
+    """The adapters alone, for an engine that merges them itself
+    (:func:`sao.rollout.weights.merge_adapter`): ``{"<module>.lora_A": A,
+    "<module>.lora_B": B}`` (float32 copies on the CPU) and ``{"scaling": {module:
+    alpha / r}, "fan_in_fan_out": bool}``.
+    For rank 8 on every linear layer of SmolLM2-135M: 9.8 MB, against 425 MB of
+    merged weights."""
+    tensors: dict[str, torch.Tensor] = {}
+    scaling: dict[str, float] = {}
+    fan_in_fan_out = False
+    for name, layer in _adapted(model).items():
+        tensors[f"{name}.lora_A"] = layer.lora_A[ADAPTER].weight.detach().float().cpu().clone()
+        tensors[f"{name}.lora_B"] = layer.lora_B[ADAPTER].weight.detach().float().cpu().clone()
+        scaling[name] = float(layer.scaling[ADAPTER])
+        fan_in_fan_out = fan_in_fan_out or bool(getattr(layer, "fan_in_fan_out", False))
+    return tensors, {"scaling": scaling, "fan_in_fan_out": fan_in_fan_out}
 
 
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -38,6 +38,7 @@ __all__ = [
     "DiskWeights",
     "TensorWeights",
     "WeightSource",
+    "merge_adapter",
     "read_weights",
     "write_weights",
 ]
@@ -106,12 +107,17 @@ def write_weights(
     config: object | None = None,
     keep: int = 2,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    adapter: Mapping[str, object] | None = None,
 ) -> DiskWeights:
     """Write ``state_dict`` as version ``version`` under ``root`` atomically.
 
     ``config`` (a ``PretrainedConfig``) is saved beside the weights, so the
     directory is a loadable model. Older versions beyond the newest ``keep``
     are deleted (a server may still be reading the previous one).
+    ``adapter``: the tensors are LoRA factors, not weights
+    (:func:`sao.models.lora.adapter_update`: ``<module>.lora_A`` and
+    ``<module>.lora_B``); this describes how to merge them (``scaling`` by module,
+    ``fan_in_fan_out``) and goes in ``sao_weights.json`` under ``"adapter"``.
     """
     if keep < 1:
         raise ValueError(f"write_weights: keep must be >= 1, got {keep}")
@@ -146,7 +152,9 @@ def write_weights(
         (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=1))
     if config is not None:
         config.save_pretrained(tmp)  # type: ignore[attr-defined]
-    meta = {"version": version, "names": list(tensors), "aliases": aliases}
+    meta: dict[str, object] = {"version": version, "names": list(tensors), "aliases": aliases}
+    if adapter is not None:
+        meta["adapter"] = dict(adapter)
     (tmp / META_FILE).write_text(json.dumps(meta))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
@@ -169,6 +177,28 @@ def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
     for f in files:
         out |= load_file(str(f))
     return out
+
+
+def merge_adapter(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, fan_in_fan_out: bool
+) -> torch.Tensor:
+    """``W + scaling * B @ A`` (transposed for a GPT-2 ``Conv1D`` weight), in
+    ``base``'s dtype: what peft's ``get_delta_weight`` adds, in its order of
+    operations, so a float32 engine holds bitwise the trainer's merged weight."""
+    delta = (b.to(base.device) @ a.to(base.device)) * scaling
+    if fan_in_fan_out:
+        delta = delta.T
+    return base + delta.to(base.dtype)
+
+
+def weights_adapter(path: str | os.PathLike[str]) -> dict[str, object] | None:
+    """How to merge the LoRA factors a directory holds (:func:`write_weights`'s
+    ``adapter``); None for a directory of weights."""
+    meta = Path(path) / META_FILE
+    if not meta.is_file():
+        return None
+    found = json.loads(meta.read_text()).get("adapter")
+    return dict(found) if isinstance(found, dict) else None
 
 
 def weights_version(path: str | os.PathLike[str]) -> int | None:

@@ -57,3 +57,45 @@ def test_lora_policy_matches_the_engine_before_and_after_updates(chatml_tok):
         moved = {k for k in after if not torch.equal(after[k], before[k])}
         assert moved == set(sent)  # only the adapted modules changed in the engine
         assert sum(t.numel() for t in sent.values()) == adapted  # no embedding, no norm
+
+
+def test_engine_merges_adapters_itself_bitwise_as_the_trainer_does(chatml_tok):
+    """``load_adapter`` (what ``sao serve`` does with an adapter directory): the
+    engine keeps the adapted modules' base weights and merges the factors it is
+    sent; its weights equal the trainer's merged ones bit for bit (float32)."""
+    torch_engine = pytest.importorskip("sao.rollout.embedded.engine")
+    from sao.models.lora import adapter_update, merged_weights
+
+    model = tiny_llama(len(chatml_tok))
+    add_lora(model, rank=4, alpha=8.0, targets=["q_proj", "v_proj", "down_proj"])
+    sampling = SamplingParams(temperature=0.9, max_new_tokens=6)
+    with torch_engine.TorchEngine(
+        engine_model(model), max_batch_size=4, max_seq_len=96, tokenizer=chatml_tok
+    ) as engine:
+        for version in (1, 2):
+            _train_a_little(model, seed=version)
+            tensors, adapter = adapter_update(model)
+            assert set(tensors) == {f"{m}.lora_{x}" for m in adapter["scaling"] for x in "AB"}
+            engine.load_adapter(tensors, adapter, version)
+            held = engine._model.state_dict()
+            for name, want in merged_weights(model).items():
+                assert torch.equal(held[name], want), name
+            report = asyncio.run(
+                check_logprobs(
+                    engine, model, chatml_tok, envs(), sampling, LIMITS, model_version=version
+                )
+            )
+            report.check(FLOAT32)
+        # a full update replaces a base weight: the next adapter update has no base for it
+        fresh = tiny_llama(len(chatml_tok))
+        name = "model.layers.0.mlp.gate_proj.weight"  # not adapted: fine
+        engine.load_weights({name: fresh.state_dict()[name]}, 3)
+        engine.load_adapter(tensors, adapter, 4)
+        q = "model.layers.0.self_attn.q_proj"
+        engine2 = torch_engine.TorchEngine(
+            engine_model(model), max_batch_size=1, max_seq_len=32, tokenizer=chatml_tok
+        )
+        with engine2:
+            engine2.load_weights({f"{q}.weight": fresh.state_dict()[f"{q}.weight"]}, 1)
+            with pytest.raises(ValueError, match=f"{q}'s weight was replaced"):
+                engine2.load_adapter(tensors, adapter, 2)

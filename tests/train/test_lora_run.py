@@ -1,6 +1,7 @@
 """LoRA end to end: a run whose actor and critic train adapters only raises
-reward through the embedded engine and through `sao serve` (each update sends
-the adapted modules only), saves adapters in its checkpoints, resumes from
+reward through the embedded engine (each update copies in only the adapted
+modules' merged weights) and through `sao serve` (each update sends only the
+adapters, which the server merges itself), saves adapters in its checkpoints, resumes from
 them, and exports a merged model with its adapter."""
 
 from __future__ import annotations
@@ -54,9 +55,13 @@ def test_sao_with_lora_raises_reward_and_exports_merged_and_adapter(
 
 
 @pytest.mark.slow
-def test_lora_through_sao_serve_sends_only_adapted_modules(
-    tmp_path: Path, tiny_policy: Path
+@pytest.mark.parametrize("transfer", ["disk", "broadcast"])
+def test_lora_through_sao_serve_sends_only_the_adapters(
+    tmp_path: Path, tiny_policy: Path, transfer: str
 ) -> None:
+    """Through the weight directory the adapters alone travel (A and B); a
+    broadcast sends the adapted modules' merged weights (with k_proj, the
+    fused-qkv rule), and nothing goes through the filesystem."""
     history = run(
         tmp_path,
         tiny_policy,
@@ -64,17 +69,21 @@ def test_lora_through_sao_serve_sends_only_adapted_modules(
         "algo.group_size=4",
         "rollout.engine=http",
         "rollout.launch=1",
-        "rollout.weight_transfer=disk",
+        f"rollout.weight_transfer={transfer}",
         "model.lora.rank=8",
         "model.lora.target_modules=[q_proj, v_proj, down_proj]",
         "train.actor_lr=1e-2",
     )
     _learned(history)
+    if transfer == "broadcast":
+        assert not (tmp_path / "run" / "weights").exists()
+        return
     newest = sorted((tmp_path / "run" / "weights").iterdir())[-1]
-    names = json.loads((newest / "sao_weights.json").read_text())["names"]
-    leaves = {n.rsplit(".", 2)[-2] for n in names}
-    # the adapted modules plus k_proj, which a fused qkv layer reloads with q and v
-    assert leaves == {"q_proj", "k_proj", "v_proj", "down_proj"}
+    meta = json.loads((newest / "sao_weights.json").read_text())
+    # sao serve merges the factors itself: only A and B of the adapted modules travel
+    assert {n.rsplit(".", 2)[-2:][0] for n in meta["names"]} == {"q_proj", "v_proj", "down_proj"}
+    assert {n.rsplit(".", 1)[-1] for n in meta["names"]} == {"lora_A", "lora_B"}
+    assert set(meta["adapter"]["scaling"].values()) == {16 / 8}
 
 
 def test_resume_refuses_an_adapter_of_another_base(tmp_path: Path, tiny_policy: Path) -> None:

@@ -60,7 +60,7 @@ import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -76,7 +76,13 @@ from sao.rollout.embedded.kv_forward import (
 from sao.rollout.embedded.sampling import Detokenizer, StopStringMatcher, default_stop_ids
 from sao.rollout.embedded.scheduler import Request, Scheduler, WeightUpdate
 from sao.rollout.openmp import release_team
-from sao.rollout.weights import DiskWeights, TensorWeights, WeightSource, read_weights
+from sao.rollout.weights import (
+    DiskWeights,
+    TensorWeights,
+    WeightSource,
+    merge_adapter,
+    read_weights,
+)
 from sao.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -218,6 +224,8 @@ class TorchEngine:
             else DynamicCacheForward(self._model)
         )
         self._weights = self._model.state_dict()
+        self._base: dict[str, torch.Tensor] = {}  # adapted modules' loaded weights (LoRA)
+        self._replaced: set[str] = set()  # weights a full update has replaced
         parked_cap = self.max_batch_size if max_cached_prefixes is None else max_cached_prefixes
         if not (prefix_cache and isinstance(forward, StaticKVForward)):
             parked_cap = 0  # the fallback forward cannot prefill on top of a prefix
@@ -346,7 +354,50 @@ class TorchEngine:
                     f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
                     f"the engine's model has {tuple(self._weights[name].shape)}"
                 )
-        update = WeightUpdate(state_dict, version)
+        self._apply(WeightUpdate(state_dict, version))
+        self._replaced.update(state_dict)  # (their base weights are gone: see load_adapter)
+
+    def load_adapter(
+        self, tensors: Mapping[str, torch.Tensor], adapter: Mapping[str, Any], version: int
+    ) -> None:
+        """Apply LoRA factors between two decode steps: each adapted module's weight
+        becomes ``W0 + scaling * B @ A`` (:func:`~sao.rollout.weights.merge_adapter`),
+        ``W0`` its weight as the engine loaded it, kept aside at the first adapter
+        update (the adapted modules' base weights, in memory once). ``tensors``:
+        ``<module>.lora_A`` and ``<module>.lora_B``; ``adapter``: ``scaling`` by module
+        and ``fan_in_fan_out`` (:func:`sao.models.lora.adapter_update`). A module
+        whose weight a full update replaced has no base left: a ``ValueError``."""
+        scaling = dict(adapter["scaling"])
+        flip = bool(adapter.get("fan_in_fan_out", False))
+        for module in scaling:
+            key = f"{module}.weight"
+            if key not in self._weights:
+                raise KeyError(f"load_adapter: the engine's model has no module {module!r}")
+            if module not in self._base:
+                if key in self._replaced:
+                    raise ValueError(
+                        f"load_adapter: {module}'s weight was replaced since the engine loaded "
+                        "its checkpoint, so its base weight is gone; restart the engine on the "
+                        "base checkpoint"
+                    )
+                self._base[module] = self._weights[key].detach().clone()
+
+        class Merged(Mapping[str, torch.Tensor]):  # one module merged at a time
+            def __getitem__(_, key: str) -> torch.Tensor:
+                m = key.removesuffix(".weight")
+                a, b = tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"]
+                return merge_adapter(self._base[m], a, b, scaling[m], flip)
+
+            def __iter__(_) -> Iterator[str]:
+                return (f"{m}.weight" for m in scaling)
+
+            def __len__(_) -> int:
+                return len(scaling)
+
+        self._apply(WeightUpdate(Merged(), version))
+
+    def _apply(self, update: WeightUpdate) -> None:
+        """Hand ``update`` to the engine thread (or apply it, on that thread) and wait."""
         if threading.current_thread() is self._thread:
             self._sched.apply_update(update)
         else:

@@ -72,6 +72,11 @@ class EngineRouter:
         return tuple(k for k in live[0].weight_sources if all(k in e.weight_sources for e in live))
 
     @property
+    def takes_adapters(self) -> bool:
+        """Every engine merges LoRA factors itself (``sao serve``): updates may send them."""
+        return all(getattr(e, "takes_adapters", False) for e in self.engines)
+
+    @property
     def max_seq_len(self) -> int | None:
         lens = [getattr(e, "max_seq_len", None) for e in self.engines]
         known = [n for n in lens if isinstance(n, int)]

@@ -19,7 +19,10 @@ Routes (request and response fields as vLLM's OpenAI-compatible server):
   versions, so nothing needs freezing).
 - ``POST /collective_rpc`` with ``{"method": "reload_weights", "kwargs":
   {"weights_path": DIR}}``: load a weight directory
-  (:func:`~sao.rollout.weights.write_weights`); ``POST /update_weight_version``
+  (:func:`~sao.rollout.weights.write_weights`), or the LoRA factors one holds
+  (its ``sao_weights.json`` says ``"adapter"``; ``/v1/models`` lists ``"adapters":
+  true``), merged into the loaded weights (``TorchEngine.load_adapter``);
+  ``POST /update_weight_version``
   ``{"new_version": v}`` sets the version the next tokens carry;
   ``POST /reset_prefix_cache``.
 """
@@ -36,7 +39,7 @@ from aiohttp import web
 
 from sao.rollout.embedded.engine import TorchEngine
 from sao.rollout.remote.collective import init_weight_group, receive_tensors
-from sao.rollout.weights import read_weights, weights_version
+from sao.rollout.weights import read_weights, weights_adapter, weights_version
 from sao.types import Completion, SamplingParams
 
 __all__ = ["EngineServer", "serve"]
@@ -113,7 +116,7 @@ class EngineServer:
             "max_model_len": self.engine.max_seq_len,
         }
         if self.report_versions:
-            info["sao"] = self.model_info | {"version": self.engine.version}
+            info["sao"] = self.model_info | {"version": self.engine.version, "adapters": True}
         return web.json_response({"object": "list", "data": [info]})
 
     async def completions(self, request: web.Request) -> web.Response:
@@ -191,9 +194,12 @@ class EngineServer:
         try:
             state = await asyncio.to_thread(read_weights, path)
             version = weights_version(path)
-            await asyncio.to_thread(
-                self.engine.load_weights, state, self.engine.version if version is None else version
-            )
+            version = self.engine.version if version is None else version
+            adapter = weights_adapter(path)
+            if adapter is not None:  # LoRA factors: the engine merges them into its weights
+                await asyncio.to_thread(self.engine.load_adapter, state, adapter, version)
+            else:
+                await asyncio.to_thread(self.engine.load_weights, state, version)
         except (KeyError, ValueError, FileNotFoundError) as err:
             raise BadRequest(f"reload_weights: {err}") from None
         return web.json_response({"results": [None]})

@@ -55,6 +55,9 @@ class VLLMEngine(_HttpEngine):
             url, version=version, request_timeout_s=request_timeout_s, max_seq_len=max_seq_len
         )
         self.refresh_tied_head = refresh_tied_head
+        self.takes_adapters = False
+        """True for a ``sao serve`` that merges LoRA factors itself (a weight directory
+        written with ``write_weights(..., adapter=...)``); vLLM takes merged weights."""
 
     async def connect(self, identity: ModelIdentity | None, timeout_s: float = 30.0) -> None:
         await self.wait_ready(timeout_s)
@@ -70,6 +73,7 @@ class VLLMEngine(_HttpEngine):
         if isinstance(sao_info, dict):
             self.kind = "sao serve"
             self.keeps_versions = True  # it reports the version of every token
+            self.takes_adapters = bool(sao_info.get("adapters", False))
             self._version = int(sao_info.get("version", self._version))
         if identity is not None:
             theirs = (
