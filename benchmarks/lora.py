@@ -7,10 +7,10 @@ seed and number of actor steps; the figures are the run's own metrics
 ``publish/sync_s``) and its printed estimate. SAO arms put adapters of the same
 rank on the actor and on the critic (``model.lora``, ``model.critic_lora``).
 The bytes an update sends are counted on the policy itself: the full state
-dict (unique tensors: the tied head is the embedding), the adapted modules'
-merged weights (embedded engine, ``sao serve``), and with whole fused q/k/v
-and gate/up groups (vLLM, SGLang); with ``all-linear`` targets the two are
-equal.
+dict (unique tensors: the tied head is the embedding); with LoRA the adapted
+modules' merged weights (the embedded engine, copied in process), the
+adapters alone (``sao serve`` through the weight directory), and the merged
+modules with whole fused q/k/v and gate/up groups (vLLM).
 
     sao models fetch smollm2-135m
     PYTHONPATH=. python benchmarks/lora.py [--steps 4] [--ranks 8 64]
@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from benchmarks._bench import QUIET
@@ -46,30 +47,30 @@ def run_arm(preset: str, steps: int, seed: int, sets: list[str], run_dir: Path) 
     return {"rows": [r for r in rows if "actor/loss" in r], "summary": summary, "est": estimate}
 
 
-def sync_bytes(ranks: list[int]) -> list[tuple[str, float, float]]:
-    """(arm, MB sent to the embedded engine / sao serve, MB with fused groups)."""
+def sync_bytes(ranks: list[int]) -> list[tuple[str, float, float, float]]:
+    """(arm, MB an update sends: the embedded engine, `sao serve` through the
+    weight directory, vLLM) on SmolLM2-135M."""
     import torch
 
     from sao.models.fetch import resolve_model_path
     from sao.models.loading import load_policy
-    from sao.models.lora import add_lora, published_state
+    from sao.models.lora import adapter_update, add_lora, published_state
     from sao.rollout.weights import _unique
 
-    def mb(state: dict[str, torch.Tensor]) -> float:
-        tensors, _ = _unique(state)
+    def mb(state: Mapping[str, torch.Tensor]) -> float:
+        tensors, _ = _unique(dict(state))
         return sum(t.numel() * t.element_size() for t in tensors.values()) / 1e6
 
     path = resolve_model_path("smollm2-135m")
     full = mb(published_state(load_policy(path)))
-    out = [("full", full, full)]
+    out = [("full fine-tuning", full, full, full)]
     for targets in ("all-linear", ["q_proj", "v_proj"]):
         for r in ranks:
             policy = load_policy(path)
             add_lora(policy, rank=r, alpha=2.0 * r, targets=targets)
-            name = f"lora{r} {'all-linear' if targets == 'all-linear' else 'q,v'}"
-            out.append((name, mb(published_state(policy)), mb(published_state(policy, fused=True))))
-            adapter = sum(p.numel() * 4 for n, p in policy.named_parameters() if ".lora_" in n)
-            out.append(("  (its adapter alone: A and B)", adapter / 1e6, adapter / 1e6))
+            name = f"LoRA rank {r}, {'all-linear' if targets == 'all-linear' else 'q, v'}"
+            merged, fused = published_state(policy), published_state(policy, fused=True)
+            out.append((name, mb(merged), mb(adapter_update(policy)[0]), mb(fused)))
     return out
 
 
@@ -109,10 +110,10 @@ def main() -> None:
             f"| {key} | {s['memory/peak_gib']:.2f} | {s['memory/expected_peak_gib']:.2f} | "
             f"{step:.1f} | {sync:.3f} | {ratio} |"
         )
-    print("\n| weights an update sends | embedded engine, sao serve (MB) | vLLM, SGLang (MB) |")
-    print("|---|---|---|")
-    for name, plain, fused in sync_bytes(args.ranks):
-        print(f"| {name} | {plain:.1f} | {fused:.1f} |")
+    print("\n| an update sends (MB) | embedded engine | sao serve (directory) | vLLM |")
+    print("|---|---|---|---|")
+    for name, merged, adapters, fused in sync_bytes(args.ranks):
+        print(f"| {name} | {merged:.1f} | {adapters:.1f} | {fused:.1f} |")
 
 
 if __name__ == "__main__":
