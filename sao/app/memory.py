@@ -77,10 +77,12 @@ class MemoryEstimate:
         )
 
 
-def _bytes(params: Iterable[nn.Parameter]) -> tuple[int, int]:
-    """Bytes of ``params`` and how many of them are trained (``requires_grad``)."""
+def _bytes(params: Iterable[nn.Parameter], held: Iterable[nn.Parameter] = ()) -> tuple[int, int]:
+    """Bytes of ``params`` and how many of them are trained (``requires_grad``);
+    those in ``held`` (counted elsewhere: a LoRA critic's trunk shared with the
+    actor's base) are left out."""
     total = trained = 0
-    seen: set[int] = set()
+    seen: set[int] = {id(p) for p in held}
     for p in params:
         if id(p) in seen:  # tied weights count once
             continue
@@ -152,7 +154,9 @@ def estimate_peak(p: Parts, prompt_tokens: int | None, runtime: int) -> MemoryEs
     cfg, c = p.cfg, p.policy.config
     on_host = p.device.type == "cpu"
     policy_bytes, policy_trained = _bytes(p.policy.parameters())
-    critic_bytes, critic_trained = (0, 0) if p.critic is None else _bytes(p.critic.parameters())
+    critic_bytes, critic_trained = (
+        (0, 0) if p.critic is None else _bytes(p.critic.parameters(), p.policy.parameters())
+    )
     master = 0 if p.policy.dtype == torch.float32 else 4
     parts: dict[str, float] = {
         "runtime": runtime if on_host else 0,  # (the device's memory holds no Python)

@@ -28,7 +28,7 @@ from sao.models.loading import (
     resolve_device,
     resolve_dtype,
 )
-from sao.models.lora import add_lora, load_adapter
+from sao.models.lora import add_lora, has_lora, load_adapter, share_frozen_base
 from sao.models.value import ValueModel
 from sao.rollout.agent import EpisodeLimits
 from sao.runtime.orchestrator import FailurePolicy
@@ -133,7 +133,7 @@ def build_parts(
         sampling = sampling_params(cfg)
         return Parts(cfg, task, tokenizer, shell, None, None, sampling, build_limits(cfg), device)
     policy = load_trained_policy(cfg, start_dir, device, dtype)
-    critic = load_critic(cfg, start_dir, device, dtype, quiet=quiet)
+    critic = load_critic(cfg, start_dir, device, dtype, quiet=quiet, share_with=policy)
     if cfg.train.activation_checkpointing:  # (the engine's deep copy only runs without grad)
         for model in (policy, critic):
             if model is not None:
@@ -190,15 +190,17 @@ def load_critic(
     dtype: torch.dtype,
     *,
     quiet: bool = False,
+    share_with: PreTrainedModel | None = None,
 ) -> ValueModel | None:
     """The critic to train (None for an algorithm without one): the checkpoint's,
     or a new value head on ``model.critic_path`` (default: the policy), its
-    attention frozen when the preset says so."""
+    attention frozen when the preset says so. ``share_with``: the policy, whose
+    frozen base a LoRA critic on the same checkpoint shares with a LoRA actor."""
     algo = cfg.algo.resolve()
     if not algo.use_critic:
         return None
     if cfg.model.critic_lora is not None:
-        return _lora_critic(cfg, start_dir, device, dtype, quiet=quiet)
+        return _lora_critic(cfg, start_dir, device, dtype, quiet=quiet, share_with=share_with)
     if start_dir is not None and (start_dir / "critic").is_dir():
         critic = ValueModel.from_pretrained(start_dir / "critic", dtype=dtype, device=device)
     else:
@@ -235,10 +237,18 @@ def critic_base(cfg: Config) -> Path:
 
 
 def _lora_critic(
-    cfg: Config, start_dir: Path | None, device: torch.device, dtype: torch.dtype, *, quiet: bool
+    cfg: Config,
+    start_dir: Path | None,
+    device: torch.device,
+    dtype: torch.dtype,
+    *,
+    quiet: bool,
+    share_with: PreTrainedModel | None,
 ) -> ValueModel:
     """A critic with LoRA on its backbone (``model.critic_lora``): the value head and
-    the final norm train fully; with frozen attention the adapters skip attention."""
+    the final norm train fully; with frozen attention the adapters skip attention.
+    Beside a LoRA actor on the same checkpoint, its frozen trunk is the actor's
+    frozen base (one copy in memory, not two)."""
     algo, lora = cfg.algo.resolve(), cfg.model.critic_lora
     assert lora is not None
     base = critic_base(cfg)
@@ -261,9 +271,15 @@ def _lora_critic(
             freeze_below(critic, algo.critic_train_layers)
     except ValueError as e:
         raise ConfigError(f"model.critic_lora: {e}") from None
+    shared = 0
+    if share_with is not None and has_lora(share_with) and cfg.model.critic_path is None:
+        shared = share_frozen_base(critic.backbone, share_with)
     if not quiet:
         frozen = ", attention left out (frozen)" if algo.freeze_critic_attention else ""
-        print(f"critic LoRA: {report.describe()}{frozen}")
+        trunk = (
+            f"; its frozen trunk is the actor's base ({shared / 2**30:.2f} GiB)" if shared else ""
+        )
+        print(f"critic LoRA: {report.describe()}{frozen}{trunk if shared else ''}")
     return critic
 
 

@@ -56,6 +56,7 @@ __all__ = [
     "published_state",
     "save_adapter",
     "save_policy",
+    "share_frozen_base",
     "target_modules",
 ]
 
@@ -406,3 +407,38 @@ def export_policy(model: nn.Module, directory: Path) -> None:
         save_adapter(model, directory / "adapter")
     else:
         model.save_pretrained(directory)  # type: ignore[operator]
+
+
+def share_frozen_base(model: nn.Module, donor: nn.Module) -> int:
+    """Point every frozen parameter of ``model`` at ``donor``'s frozen parameter of
+    the same name (``base_layer`` aside), shape, dtype, device and value, so the two
+    hold one copy: a LoRA critic's trunk and a LoRA actor's base, both the same
+    checkpoint and both frozen for good. Returns the bytes no longer held twice.
+    Parameters that train (adapters, the critic's final norm) stay its own."""
+
+    def frozen(m: nn.Module) -> dict[str, tuple[nn.Module, str, nn.Parameter]]:
+        out = {}
+        for name, module in m.named_modules():
+            for pname, p in module.named_parameters(recurse=False):
+                if not p.requires_grad:
+                    full = f"{name}.{pname}" if name else pname
+                    out[full.replace(".base_layer.", ".")] = (module, pname, p)
+        return out
+
+    theirs = {k.removeprefix("model."): v[2] for k, v in frozen(donor).items()}
+    saved = 0
+    with torch.no_grad():
+        for name, (module, pname, p) in frozen(model).items():
+            q = theirs.get(name.removeprefix("model."))
+            if (
+                q is None
+                or q is p
+                or q.shape != p.shape
+                or q.dtype != p.dtype
+                or q.device != p.device
+                or not torch.equal(q, p)
+            ):
+                continue
+            setattr(module, pname, q)
+            saved += p.numel() * p.element_size()
+    return saved

@@ -247,3 +247,34 @@ def test_lora_critic_skips_frozen_attention_and_trains_head_and_final_norm(
     add_lora(again.backbone, rank=2, alpha=4.0, skip_attention=True, train_final_norm=True)
     again.load_lora(tmp_path / "critic", base)
     torch.testing.assert_close(again(ids, mask), want, rtol=0, atol=0)
+
+
+def test_lora_critic_shares_the_lora_actors_frozen_base(tiny_llama: PreTrainedModel) -> None:
+    from sao.models.lora import share_frozen_base
+
+    critic = ValueModel.from_policy(tiny_llama, seed=0)
+    add_lora(tiny_llama, rank=2, alpha=4.0)
+    add_lora(critic.backbone, rank=2, alpha=4.0, skip_attention=True, train_final_norm=True)
+    ids, mask = _batch(tiny_llama.config.vocab_size)
+    values = critic(ids, mask)
+    own_before = sum(p.numel() * p.element_size() for p in critic.backbone.parameters())
+    saved = share_frozen_base(critic.backbone, tiny_llama)
+    actor = {id(p) for p in tiny_llama.parameters()}
+    shared = [n for n, p in critic.backbone.named_parameters() if id(p) in actor]
+    own = [n for n, p in critic.backbone.named_parameters() if id(p) not in actor]
+    # everything frozen is shared: embeddings, attention, MLP bases, layer norms
+    assert all(".lora_" in n or n == "norm.weight" for n in own), own
+    assert "embed_tokens.weight" in shared and "layers.0.self_attn.q_proj.weight" in shared
+    assert "layers.0.mlp.up_proj.base_layer.weight" in shared
+    assert saved == sum(
+        p.numel() * p.element_size() for n, p in critic.backbone.named_parameters() if n in shared
+    )
+    assert saved > 0.9 * own_before
+    assert torch.equal(critic(ids, mask), values)  # the same function
+    # a critic step moves its own adapters, never the shared base
+    base = {n: p.detach().clone() for n, p in tiny_llama.named_parameters()}
+    opt = torch.optim.SGD([p for p in critic.parameters() if p.requires_grad], lr=0.1)
+    critic(ids, mask).pow(2).mean().backward()
+    opt.step()
+    assert all(torch.equal(p, base[n]) for n, p in tiny_llama.named_parameters())
+    assert not torch.equal(critic(ids, mask), values)
