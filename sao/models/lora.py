@@ -8,10 +8,13 @@ for the critic, the final norm) have ``requires_grad``. Each adapted linear
 module computes ``W x + (alpha / r) * B (A x)`` with ``W`` frozen.
 
 The engines never run adapters: they hold plain weights, and an update sends
-the adapted modules' merged weights ``W + (alpha / r) * B @ A`` under the
-plain model's names (:func:`merged_weights`), a subset of the state dict that
-every engine already applies in place. Modules without an adapter (embeddings,
-norms, the head) never change, so they are never sent.
+either the adapted modules' merged weights ``W + (alpha / r) * B @ A`` under the
+plain model's names (:class:`MergedWeights`, :func:`published_state`: a
+subset of the state dict that every engine applies in place) or, to a server
+that merges them itself (``sao serve``), the adapters alone
+(:func:`adapter_update`). Modules without an adapter (embeddings, norms, the
+head) never change, so they are never sent. A LoRA critic on the same
+checkpoint shares the LoRA actor's frozen base (:func:`share_frozen_base`).
 
 On disk (:func:`save_adapter`): peft's format, ``adapter_config.json`` (its
 ``base_model_name_or_path`` the base checkpoint's directory) and
