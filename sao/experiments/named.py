@@ -288,8 +288,8 @@ EXPERIMENTS: dict[str, Experiment] = {
             },
             claims=("full > lora8", "full > lora8_3x"),
             cost=(
-                "a full fine-tuning run ~14 min on the 2 quiet cores (smollm2's SAO arm); the "
-                "LoRA arms not yet timed (benchmarks/lora.py measures their steps)"
+                "~45 min a seed on the 2 quiet cores: a full fine-tuning run ~14 min (smollm2's "
+                "SAO arm), a LoRA run ~15 (its actor step 1.08x full's: benchmarks/lora.py)"
             ),
         ),
         Experiment(
