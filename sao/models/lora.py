@@ -376,15 +376,14 @@ def published_state(model: nn.Module, *, fused: bool = False) -> Mapping[str, to
     if not fused:
         return MergedWeights(model)
     out = merged_weights(model)
-    if fused:
-        state = model.state_dict()
-        for key in list(out):
-            prefix, leaf = key.removesuffix(".weight").rsplit(".", 1)
-            group = next((g for g in FUSED_GROUPS if leaf in g), frozenset())
-            for sibling in sorted(group - {leaf}):
-                name = f"{prefix}.{sibling}.weight"
-                if name not in out and name in state:
-                    out[name] = state[name]
+    state = model.state_dict()
+    for key in list(out):
+        prefix, leaf = key.removesuffix(".weight").rsplit(".", 1)
+        group = next((g for g in FUSED_GROUPS if leaf in g), frozenset())
+        for sibling in sorted(group - {leaf}):
+            name = f"{prefix}.{sibling}.weight"
+            if name not in out and name in state:
+                out[name] = state[name]
     return out
 
 

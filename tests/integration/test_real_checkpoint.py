@@ -167,8 +167,11 @@ def test_sao_check_bfloat16(
 # ---------------------------------------------------------------- SAO steps
 
 
-def sao_steps(model_dir: Path, data: Path, dtype: str, lr: float, run_dir: Path) -> list[dict]:
-    """Two SAO actor steps (critic and DIS loss) of 2 episodes, 16-token replies."""
+def sao_steps(
+    model_dir: Path, data: Path, dtype: str, lr: float, run_dir: Path, *extra: str
+) -> list[dict]:
+    """Two SAO actor steps (critic and DIS loss) of 2 episodes, 16-token replies;
+    ``extra``: more ``--set`` overrides."""
     sets = [
         *task_sets(model_dir, data, dtype),
         "algo.preset=sao",
@@ -187,6 +190,7 @@ def sao_steps(model_dir: Path, data: Path, dtype: str, lr: float, run_dir: Path)
         "log.live=false",
         "log.tensorboard=false",
         "log.plots=false",
+        *extra,
     ]
     train(load_config(None, None, sets))
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -350,30 +354,9 @@ def test_sao_steps_with_lora_train_only_the_adapters(
     adapters (peft's format), ``final/`` the merged model, and only the adapted
     modules' weights differ from the base."""
     run = tmp_path / "run"
-    sets = [
-        *task_sets(model_dir, data, "float32"),
-        "model.lora.rank=8",
-        "model.lora.target_modules=[q_proj, v_proj]",
-        "model.critic_lora.rank=8",
-        "algo.preset=sao",
-        "algo.critic_pretrain_steps=0",
-        "train.steps=2",
-        "train.batch_size=2",
-        "train.actor_lr=1e-3",
-        "train.critic_lr=1e-3",
-        "rollout.max_new_tokens=16",
-        "rollout.in_flight=2",
-        "rollout.max_batch_size=2",
-        "eval.episodes=1",
-        "eval.every=100",
-        f"log.run_dir={run}",
-        "log.live=false",
-        "log.tensorboard=false",
-        "log.plots=false",
-    ]
-    train(load_config(None, None, sets))
-    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    assert len([r for r in rows if "actor/loss" in r]) == 2
+    lora = ("model.lora.rank=8", "model.lora.target_modules=[q_proj, v_proj]")
+    steps = sao_steps(model_dir, data, "float32", 1e-3, run, *lora, "model.critic_lora.rank=8")
+    assert len(steps) == 2
     start = load_file(model_dir / "model.safetensors")
     final = load_file(run / "final" / "model.safetensors")
     moved = {k for k in start if not torch.equal(start[k], final[k])}
