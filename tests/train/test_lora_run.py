@@ -10,12 +10,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from sao.app.run import train
 from sao.config import ConfigError, load_config
 from sao.models.loading import load_policy
+from sao.models.logprobs import sequence_logprobs
 from sao.models.lora import adapter_base, has_lora
-from tests.train.test_learning import SayATask, _reward_gain, run
+from tests.train.test_learning import SayATask, run
 
 LORA = (
     "model.lora.rank=8",
@@ -26,15 +28,36 @@ LORA = (
 )
 
 
-def _learned(history: list[dict[str, float]]) -> None:
-    """Greedy held-out success from 0 to at least 0.75, and sampled reward up by
-    0.1 (measured 0 -> 1.0 and ~0.1 -> ~0.3, where full fine-tuning of this 0.1M
-    model reaches ~0.9 sampled: the adapters move its greedy choice sooner
-    than they sharpen its sampling distribution)."""
+def _logp_of_aaaa(model_dir: Path) -> float:
+    """log p('aaaa' | the task's prompt) under the model saved in ``model_dir``."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "a"}], add_generation_prompt=True, tokenize=False
+    )
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    reply = tokenizer.encode("aaaa", add_special_tokens=False)
+    ids_1T = torch.tensor([prompt + reply])
+    with torch.no_grad():
+        logp_1T = sequence_logprobs(load_policy(model_dir), ids_1T, torch.ones_like(ids_1T))
+    return float(logp_1T[0, -len(reply) :].sum())
+
+
+def _learned(tmp_path: Path, base: Path, history: list[dict[str, float]]) -> None:
+    """Greedy held-out success from 0 to at least 0.75, and the exported model's
+    log-probability of the best reply up by 1 nat (measured 0 -> 1.0, and +1.87
+    to +2.10 nats over 16 seeded runs of both tests). Sampled reward is asserted only to rise: on this
+    0.1M model with a frozen final norm and tied embeddings the adapters cannot
+    make the logits much sharper, and it plateaus near 0.3 whatever the number of
+    steps (measured to 32; full fine-tuning reaches ~0.9), so its first steps'
+    noise (0.05-0.2 over 16 episodes) would decide a larger margin."""
     evals = [r["eval/success"] for r in history if "eval/success" in r]
     assert evals[0] <= 0.25 and evals[-1] >= 0.75, evals
-    first, last = _reward_gain(history)
-    assert last > first + 0.1, (first, last)
+    before, after = _logp_of_aaaa(base), _logp_of_aaaa(tmp_path / "run" / "final")
+    assert after > before + 1.0, (before, after)
+    rewards = [r["train/reward_mean"] for r in history if "train/reward_mean" in r]
+    assert sum(rewards[-8:]) / 8 > sum(rewards[:3]) / 3, rewards
 
 
 @pytest.mark.slow
@@ -42,7 +65,7 @@ def test_sao_with_lora_raises_reward_and_exports_merged_and_adapter(
     tmp_path: Path, tiny_policy: Path
 ) -> None:
     history = run(tmp_path, tiny_policy, "algo=sao", "algo.critic_pretrain_steps=2", *LORA)
-    _learned(history)
+    _learned(tmp_path, tiny_policy, history)
     # (the engine's log-probs against the trainer's: the run's start-up check, 1e-4;
     # how many stale tokens DIS masks depends on timing at this LR, so it is not asserted)
     assert all("dis/masked_frac" in r for r in history[3:])
@@ -75,7 +98,7 @@ def test_lora_through_sao_serve_sends_only_the_adapters(
         "model.lora.target_modules=[q_proj, v_proj, down_proj]",
         "train.actor_lr=1e-2",
     )
-    _learned(history)
+    _learned(tmp_path, tiny_policy, history)
     if transfer == "broadcast":
         assert not (tmp_path / "run" / "weights").exists()
         return
@@ -118,8 +141,6 @@ def test_resume_refuses_an_adapter_of_another_base(tmp_path: Path, tiny_policy: 
     from sao.app.parts import load_trained_policy
 
     moved = cfg.model_copy(update={"model": cfg.model.model_copy(update={"path": str(other)})})
-    import torch
-
     with pytest.raises(ConfigError, match=r"model\.lora: the adapter .* was trained on base"):
         load_trained_policy(moved, ckpt, torch.device("cpu"), torch.float32)
     policy = load_trained_policy(cfg, ckpt, torch.device("cpu"), torch.float32)
