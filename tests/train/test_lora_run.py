@@ -47,11 +47,12 @@ def _logp_of_aaaa(model_dir: Path) -> float:
 def _learned(tmp_path: Path, base: Path, history: list[dict[str, float]]) -> None:
     """Greedy held-out success from 0 to at least 0.75, and the exported model's
     log-probability of the best reply up by 1 nat (measured 0 -> 1.0, and +1.87
-    to +2.10 nats over 16 seeded runs of both tests). Sampled reward is asserted only to rise: on this
-    0.1M model with a frozen final norm and tied embeddings the adapters cannot
-    make the logits much sharper, and it plateaus near 0.3 whatever the number of
-    steps (measured to 32; full fine-tuning reaches ~0.9), so its first steps'
-    noise (0.05-0.2 over 16 episodes) would decide a larger margin."""
+    to +2.10 nats over 16 seeded runs of both tests). Sampled reward is asserted
+    only to rise: on this 0.1M model with a frozen final norm and tied
+    embeddings the adapters cannot make the logits much sharper, and it
+    plateaus near 0.3 whatever the number of steps (measured to 32; full
+    fine-tuning reaches ~0.9), so its first steps' noise (0.05-0.2 over 16
+    episodes) would decide a larger margin."""
     evals = [r["eval/success"] for r in history if "eval/success" in r]
     assert evals[0] <= 0.25 and evals[-1] >= 0.75, evals
     before, after = _logp_of_aaaa(base), _logp_of_aaaa(tmp_path / "run" / "final")
