@@ -214,6 +214,7 @@ class MergedWeights(Mapping[str, torch.Tensor]):
 
     def __init__(self, model: nn.Module) -> None:
         self._layers = {f"{n}.weight": layer for n, layer in _adapted(model).items()}
+        self.shapes = {k: layer.get_base_layer().weight.shape for k, layer in self._layers.items()}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         layer = self._layers[key]

@@ -59,6 +59,41 @@ def test_lora_policy_matches_the_engine_before_and_after_updates(chatml_tok):
         assert sum(t.numel() for t in sent.values()) == adapted  # no embedding, no norm
 
 
+def test_an_update_merges_each_adapted_module_once(chatml_tok, monkeypatch):
+    """The engine checks the lazy mapping's shapes without reading its tensors,
+    so each merged module is computed once per update (it was twice: the shape
+    check, then the copy)."""
+    torch_engine = pytest.importorskip("sao.rollout.embedded.engine")
+    from sao.models.lora import MergedWeights
+
+    model = tiny_llama(len(chatml_tok))
+    add_lora(model, rank=4, alpha=8.0)
+    _train_a_little(model, seed=1)
+    reads: list[str] = []
+    merged = MergedWeights.__getitem__
+    monkeypatch.setattr(
+        MergedWeights, "__getitem__", lambda self, key: reads.append(key) or merged(self, key)
+    )
+    sent = published_state(model)
+    with torch_engine.TorchEngine(
+        engine_model(model), max_batch_size=4, max_seq_len=96, tokenizer=chatml_tok
+    ) as engine:
+        engine.load_weights(sent, 1)
+        held = engine._model.state_dict()
+    assert sorted(reads) == sorted(sent)  # every module once
+    for key in sent:
+        assert torch.equal(held[key], merged(sent, key))
+    wrong = MergedWeights(model)
+    wrong.shapes = {k: (1, 1) for k in wrong.shapes}
+    with (
+        torch_engine.TorchEngine(
+            engine_model(model), max_batch_size=4, max_seq_len=96, tokenizer=chatml_tok
+        ) as engine,
+        pytest.raises(ValueError, match=r"has shape \(1, 1\)"),
+    ):
+        engine.load_weights(wrong, 1)
+
+
 def test_engine_merges_adapters_itself_bitwise_as_the_trainer_does(chatml_tok):
     """``load_adapter`` (what ``sao serve`` does with an adapter directory): the
     engine keeps the adapted modules' base weights and merges the factors it is

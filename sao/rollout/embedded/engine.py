@@ -343,15 +343,19 @@ class TorchEngine:
         engine.update_weights(TensorWeights(...))`` keeps the loop free.
         Running requests continue; tokens sampled afterwards carry ``version``.
         """
-        for name, tensor in state_dict.items():
+        # a lazy mapping (sao.models.lora.MergedWeights) names its shapes, so that
+        # checking them does not compute each tensor a second time
+        shapes = getattr(state_dict, "shapes", None)
+        for name in state_dict:
             if name not in self._weights:
                 raise KeyError(
                     f"load_weights: {name!r} is not a weight of the engine's model; "
                     "pass keys of model.state_dict()"
                 )
-            if tuple(tensor.shape) != tuple(self._weights[name].shape):
+            shape = tuple(shapes[name] if shapes is not None else state_dict[name].shape)
+            if shape != tuple(self._weights[name].shape):
                 raise ValueError(
-                    f"load_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                    f"load_weights: {name!r} has shape {shape}, "
                     f"the engine's model has {tuple(self._weights[name].shape)}"
                 )
         self._apply(WeightUpdate(state_dict, version))
