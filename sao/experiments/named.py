@@ -314,7 +314,11 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "baseline on a batch where the critic's explained variance is <= 0); value "
                 "pretraining until the critic's held-out gain stops rising (at most 10 warm-up "
                 "batches, the rest actor steps); the critic's LR at 10x the actor's (2e-4, against "
-                "5x); each is claimed to raise SAO's gain."
+                "5x); a cheap turn-level value (SPPO's scalar value, one per turn: the critic "
+                "read at each turn's last token, step-level GAE over turns, and only its top "
+                "layer, final norm and head trained, so its K=2 steps skip the trunk's "
+                "backward); each is claimed to raise SAO's gain. (SPPO's one value per prompt "
+                "is the running mean here: the prompt never shows the hidden number.)"
             ),
             preset="smollm2-guess-sao",
             base=_SMOLLM2_BASE,
@@ -338,6 +342,12 @@ EXPERIMENTS: dict[str, Experiment] = {
                     "train.steps=20",
                 ),
                 "sao_critic_lr": ("algo=sao", "train.critic_lr=2e-4", "train.steps=26"),
+                "sao_turn_head": (
+                    "algo=step_last_token",
+                    "algo.critic_pretrain_steps=4",
+                    "algo.critic_train_layers=1",
+                    "train.steps=26",
+                ),
             },
             claims=(
                 "sao > grpo",
@@ -348,6 +358,7 @@ EXPERIMENTS: dict[str, Experiment] = {
                 "sao_evpo > sao",
                 "sao_pretrain > sao",
                 "sao_critic_lr > sao",
+                "sao_turn_head > sao",
             ),
             cost=(
                 "~1 h 5 min a seed of sao, grpo and running_mean, one at a time on the 2 quiet "

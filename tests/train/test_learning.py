@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from sao.app.run import train
 from sao.config import load_config
@@ -121,3 +122,42 @@ def test_sao_learns_through_two_launched_sao_serve_servers(
         assert sorted(p.name for p in weights.iterdir()) == ["v00000015", "v00000016"]
     else:
         assert not weights.exists()  # nothing went through the filesystem
+
+
+@pytest.mark.slow
+def test_turn_level_critic_training_its_top_layer_only_learns(
+    tmp_path: Path, tiny_policy: Path
+) -> None:
+    """The cheap turn-level value of smollm2-guess's ``sao_turn_head`` arm: the critic
+    read at each turn's last token (step-level GAE), with only its top layer, final
+    norm and head trained. The run learns; the critic's lower layers are the
+    policy's weights bit for bit at the end, its top layer moved."""
+    from safetensors.torch import load_file
+
+    history = run(
+        tmp_path,
+        tiny_policy,
+        "algo=step_last_token",
+        "algo.critic_pretrain_steps=2",
+        "algo.critic_train_layers=1",
+        "log.checkpoint_every=16",
+    )
+    first, last = _reward_gain(history)
+    assert last > first + 0.2, (first, last)
+    ckpt = sorted((tmp_path / "run" / "checkpoints").glob("step_*"))[-1]
+    critic = load_file(ckpt / "critic" / "model.safetensors")  # the backbone's names
+    base = {
+        k.removeprefix("model."): v
+        for k, v in load_file(tiny_policy / "model.safetensors").items()
+        if k.startswith("model.")
+    }
+    top = max(int(k.split(".")[1]) for k in base if k.startswith("layers."))
+    lower = ["embed_tokens.weight"]
+    lower += [k for k in base if k.startswith("layers.") and int(k.split(".")[1]) < top]
+    upper = [k for k in base if k.startswith(f"layers.{top}.")]
+    assert lower and upper
+    for key in lower:
+        assert torch.equal(critic[key], base[key]), key
+    # the top layer trains but attention stays frozen (the preset's rule): its MLP moved
+    moved = [k for k in upper if not torch.equal(critic[k], base[k])]
+    assert moved and all("mlp" in k or "norm" in k for k in moved), moved
