@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -189,6 +189,35 @@ def merge_adapter(
     if fan_in_fan_out:
         delta = delta.T
     return base + delta.to(base.dtype)
+
+
+class MergedAdapter(Mapping[str, torch.Tensor]):
+    """``{"<module>.weight": merge_adapter(bases[module], A, B, ...)}`` for every
+    module of ``scaling``, each merged when it is read (one module at a time
+    in memory), with ``shapes`` known without merging. ``tensors``:
+    ``<module>.lora_A`` and ``<module>.lora_B``."""
+
+    def __init__(
+        self,
+        bases: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, torch.Tensor],
+        scaling: Mapping[str, float],
+        fan_in_fan_out: bool,
+    ) -> None:
+        self._bases, self._tensors, self._flip = bases, tensors, fan_in_fan_out
+        self._scaling = dict(scaling)
+        self.shapes = {f"{m}.weight": bases[m].shape for m in self._scaling}
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        m = key.removesuffix(".weight")
+        a, b = self._tensors[f"{m}.lora_A"], self._tensors[f"{m}.lora_B"]
+        return merge_adapter(self._bases[m], a, b, self._scaling[m], self._flip)
+
+    def __iter__(self) -> Iterator[str]:
+        return (f"{m}.weight" for m in self._scaling)
+
+    def __len__(self) -> int:
+        return len(self._scaling)
 
 
 def weights_adapter(path: str | os.PathLike[str]) -> dict[str, object] | None:

@@ -60,7 +60,7 @@ import logging
 import random
 import threading
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, cast
 
@@ -78,9 +78,9 @@ from sao.rollout.embedded.scheduler import Request, Scheduler, WeightUpdate
 from sao.rollout.openmp import release_team
 from sao.rollout.weights import (
     DiskWeights,
+    MergedAdapter,
     TensorWeights,
     WeightSource,
-    merge_adapter,
     read_weights,
 )
 from sao.types import Completion, SamplingParams
@@ -386,19 +386,7 @@ class TorchEngine:
                     )
                 self._base[module] = self._weights[key].detach().clone()
 
-        class Merged(Mapping[str, torch.Tensor]):  # one module merged at a time
-            def __getitem__(_, key: str) -> torch.Tensor:
-                m = key.removesuffix(".weight")
-                a, b = tensors[f"{m}.lora_A"], tensors[f"{m}.lora_B"]
-                return merge_adapter(self._base[m], a, b, scaling[m], flip)
-
-            def __iter__(_) -> Iterator[str]:
-                return (f"{m}.weight" for m in scaling)
-
-            def __len__(_) -> int:
-                return len(scaling)
-
-        self._apply(WeightUpdate(Merged(), version))
+        self._apply(WeightUpdate(MergedAdapter(self._base, tensors, scaling, flip), version))
 
     def _apply(self, update: WeightUpdate) -> None:
         """Hand ``update`` to the engine thread (or apply it, on that thread) and wait."""
