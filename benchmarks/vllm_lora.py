@@ -48,6 +48,41 @@ def adapter(path: Path, seed: int) -> torch.nn.Module:
     return policy
 
 
+async def compare(
+    http: aiohttp.ClientSession,
+    url: str,
+    name: str,
+    policy: torch.nn.Module,
+    base_model: torch.nn.Module,
+    prompts: list[list[int]],
+) -> tuple[float, float]:
+    """Sample each prompt through adapter ``name``; the largest gap between the
+    log-probabilities vLLM returns and the merged model's, and the base model's."""
+    merged = merged_copy(policy).eval()
+    gap = moved = 0.0
+    for prompt in prompts:
+        body = {
+            "model": name,
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 1.0,
+            "seed": 1,
+            "logprobs": 0,
+            "return_token_ids": True,
+        }
+        async with http.post(url + "/v1/completions", json=body) as r:
+            r.raise_for_status()
+            choice = (await r.json())["choices"][0]
+        served = torch.tensor(choice["logprobs"]["token_logprobs"])
+        seq = torch.tensor([prompt + choice["token_ids"]])
+        with torch.no_grad():
+            ours = sequence_logprobs(merged, seq, torch.ones_like(seq))[0, len(prompt) :]
+            plain = sequence_logprobs(base_model, seq, torch.ones_like(seq))[0, len(prompt) :]
+        gap = max(gap, float((ours - served).abs().max()))
+        moved = max(moved, float((plain - served).abs().max()))
+    return gap, moved
+
+
 async def main() -> None:
     base = resolve_model_path("smollm2-135m")
     tok = load_tokenizer(base)
@@ -99,37 +134,7 @@ async def main() -> None:
                     )
                     if resp.status != 200:
                         continue
-                    merged = merged_copy(policy).eval()
-                    gap = moved = 0.0
-                    for prompt in prompts:
-                        body = {
-                            "model": name,
-                            "prompt": prompt,
-                            "max_tokens": 24,
-                            "temperature": 1.0,
-                            "seed": 1,
-                            "logprobs": 0,
-                            "return_token_ids": True,
-                        }
-                        try:
-                            async with http.post(server.url + "/v1/completions", json=body) as r:
-                                data = await r.json()
-                        except aiohttp.ClientError as err:
-                            print(f"  completion through {name}: {type(err).__name__}: {err}")
-                            print("  the server's log ends:\n" + server.log_tail())
-                            return
-                        if r.status != 200:
-                            print(f"  completion through {name}: HTTP {r.status}: {data}")
-                            break
-                        choice = data["choices"][0]
-                        ids = choice["token_ids"]
-                        served = torch.tensor(choice["logprobs"]["token_logprobs"])
-                        seq = torch.tensor([prompt + ids])
-                        with torch.no_grad():
-                            ours = sequence_logprobs(merged, seq, torch.ones_like(seq))
-                            plain = sequence_logprobs(base_model, seq, torch.ones_like(seq))
-                        gap = max(gap, float((ours[0, len(prompt) :] - served).abs().max()))
-                        moved = max(moved, float((plain[0, len(prompt) :] - served).abs().max()))
+                    gap, moved = await compare(http, server.url, name, policy, base_model, prompts)
                     print(
                         f"  {name}: max |log-prob gap| against the merged model {gap:.2e}, "
                         f"against the base model {moved:.2e} (what the adapter moves)"

@@ -194,8 +194,7 @@ def merge_adapter(
 class MergedAdapter(Mapping[str, torch.Tensor]):
     """``{"<module>.weight": merge_adapter(bases[module], A, B, ...)}`` for every
     module of ``scaling``, each merged when it is read (one module at a time
-    in memory), with ``shapes`` known without merging. ``tensors``:
-    ``<module>.lora_A`` and ``<module>.lora_B``."""
+    in memory). ``tensors``: ``<module>.lora_A`` and ``<module>.lora_B``."""
 
     def __init__(
         self,
@@ -206,7 +205,6 @@ class MergedAdapter(Mapping[str, torch.Tensor]):
     ) -> None:
         self._bases, self._tensors, self._flip = bases, tensors, fan_in_fan_out
         self._scaling = dict(scaling)
-        self.shapes = {f"{m}.weight": bases[m].shape for m in self._scaling}
 
     def __getitem__(self, key: str) -> torch.Tensor:
         m = key.removesuffix(".weight")
