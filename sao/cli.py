@@ -286,6 +286,7 @@ def _experiment(args: argparse.Namespace) -> int:
         jobs=args.jobs,
         overrides=args.set,
         arms=arms,
+        keep_checkpoints=args.keep_checkpoints,
     )
     if failed:
         print(f"sao: {len(failed)} runs failed: {'; '.join(failed)}", file=sys.stderr)
@@ -357,6 +358,12 @@ def _add_experiment(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--set", action="append", default=[], metavar="KEY=VALUE", help="override every arm"
     )
     p.add_argument("--dir", help="results directory (default experiments/NAME)")
+    p.add_argument(
+        "--keep-checkpoints",
+        action="store_true",
+        help="keep a finished run's checkpoints (by default only its final/ model and logs "
+        "stay: a SmolLM2 SAO run's last checkpoint is 2.9 GB)",
+    )
     p.add_argument("--report", metavar="DIR", help="rebuild the report of DIR from its runs")
     p.add_argument("--list", action="store_true", help="list the named experiments")
     p.add_argument(

@@ -4,7 +4,10 @@
 Resumable: a run whose ``summary.json`` exists is kept, a run directory with a
 complete checkpoint is continued with ``sao train --resume RUN_DIR``, any other
 is started afresh (a directory left by an attempt that stopped before its first
-checkpoint is removed first). Each attempt's exit status, wall-clock seconds and
+checkpoint is removed first). A run that finishes loses its ``checkpoints/``
+(they exist to resume it; a SmolLM2 SAO run's last one, actor and critic with
+their AdamW moments, is 2.9 GB) unless ``keep_checkpoints``; its ``final/``
+model and its logs stay. Each attempt's exit status, wall-clock seconds and
 code version (:func:`code_version`) are appended to
 ``RUN_DIR/experiment_attempts.jsonl``; its output goes to
 ``DIR/logs/ARM/seed-S.log``. Tiny warm-started policies the runs need are built
@@ -187,9 +190,12 @@ def code_version() -> str:
     return f"{version} + git {commit}" if commit else version
 
 
-def _attempt_recorder(run: Run, how: Status, code: str) -> Callable[[int, float], str]:
+def _attempt_recorder(
+    run: Run, how: Status, code: str, keep_checkpoints: bool = False
+) -> Callable[[int, float], str]:
     """Appends the attempt to ``RUN_DIR/experiment_attempts.jsonl`` (the report's
-    wall time sums them) and returns the run's held-out success for the log line."""
+    wall time sums them), removes a finished run's checkpoints unless
+    ``keep_checkpoints``, and returns the run's held-out success for the log line."""
 
     def done(rc: int, seconds: float) -> str:
         if not run.run_dir.is_dir():
@@ -200,6 +206,8 @@ def _attempt_recorder(run: Run, how: Status, code: str) -> Callable[[int, float]
         summary = run.run_dir / "summary.json"
         if rc != 0 or not summary.is_file():
             return ""
+        if not keep_checkpoints:
+            shutil.rmtree(run.run_dir / "checkpoints", ignore_errors=True)
         s = json.loads(summary.read_text())
         return f", held-out success {s['eval/success_first']:.3f} -> {s['eval/success_last']:.3f}"
 
@@ -214,10 +222,12 @@ def run_experiment(
     jobs: int = 1,
     overrides: Sequence[str] = (),
     arms: Sequence[str] | None = None,
+    keep_checkpoints: bool = False,
     echo: Callable[[str], None] = print,
 ) -> list[str]:
     """Run (or resume) every run of ``exp`` in ``exp_dir``, ``jobs`` at a time,
-    then write the report; returns the labels of runs that failed."""
+    then write the report; returns the labels of runs that failed. A run that
+    finishes loses its checkpoints unless ``keep_checkpoints``."""
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     runs = plan(exp, exp_dir, seeds=seeds, overrides=overrides, arms=arms)
@@ -240,7 +250,7 @@ def run_experiment(
         if how == "fresh" and run.run_dir.exists():
             shutil.rmtree(run.run_dir)  # an attempt that stopped before its first checkpoint
         label = f"{run.label} ({'resumed' if how == 'resume' else 'started'})"
-        done = _attempt_recorder(run, how, code)
+        done = _attempt_recorder(run, how, code, keep_checkpoints)
         pending.append(_Job(label, command(exp, run, how), run.log, done))
     kept = len(runs) - len(pending)
     echo(

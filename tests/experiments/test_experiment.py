@@ -269,8 +269,9 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
     grid, out = _grid(tmp_path, tiny_policy), tmp_path / "exp"
     args = ["experiment", "--file", str(grid), "--dir", str(out), "--jobs", "2"]
     # first: one seed of each arm, as if interrupted before seed 1 started
-    assert main([*args, "--seeds", "1"]) == 0
+    assert main([*args, "--seeds", "1", "--keep-checkpoints"]) == 0
     runs = out / "runs"
+    assert (runs / "sao" / "seed-0" / "checkpoints" / "latest").exists()
     done = runs / "sao" / "seed-0" / "summary.json"
     mtime = done.stat().st_mtime_ns
     # grpo seed 0 "interrupted" after its last checkpoint; grpo seed 1 before any
@@ -285,7 +286,10 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
     assert done.stat().st_mtime_ns == mtime  # the finished run was not run again
     for arm in ("sao", "grpo"):
         for seed in (0, 1):
-            assert (runs / arm / f"seed-{seed}" / "summary.json").is_file()
+            run = runs / arm / f"seed-{seed}"
+            assert (run / "summary.json").is_file() and (run / "final").is_dir()
+            # finished in this call without --keep-checkpoints: its checkpoints are gone
+            assert (run / "checkpoints").exists() == ((arm, seed) == ("sao", 0))
     attempts = (runs / "grpo" / "seed-0" / "experiment_attempts.jsonl").read_text()
     assert [json.loads(x)["how"] for x in attempts.splitlines()] == ["fresh", "resume"]
     assert {json.loads(x)["code"] for x in attempts.splitlines()} == {code_version()}
