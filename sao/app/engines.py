@@ -25,7 +25,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from sao.config import Config
 from sao.models.cache import sao_home
-from sao.models.lora import adapter_update, engine_model, has_lora, published_state
+from sao.models.lora import adapter_update, engine_model, has_lora, published_state, save_adapter
 from sao.rollout.check import logprob_budget
 from sao.rollout.embedded.engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
 from sao.rollout.engine import Engine
@@ -35,7 +35,14 @@ from sao.rollout.remote.launch import free_port, launch_servers
 from sao.rollout.remote.router import EngineRouter
 from sao.rollout.remote.sglang_engine import SGLangEngine
 from sao.rollout.remote.vllm_engine import VLLMEngine
-from sao.rollout.weights import BroadcastWeights, TensorWeights, write_weights
+from sao.rollout.weights import (
+    BroadcastWeights,
+    DiskWeights,
+    TensorWeights,
+    prune_versions,
+    version_dir,
+    write_weights,
+)
 
 __all__ = ["Publish", "open_rollout_engine"]
 
@@ -75,12 +82,22 @@ def context_window(policy: PreTrainedModel, max_total_tokens: int) -> int:
     return max(2, min(n, max_total_tokens))
 
 
+def write_adapter(policy: nn.Module, root: Path, version: int, *, keep: int = 2) -> DiskWeights:
+    """A LoRA policy's adapter as version ``version`` under the weights directory
+    ``root``, in peft's format (written atomically; versions beyond the newest
+    ``keep`` deleted): what vLLM's ``/v1/load_lora_adapter`` loads."""
+    path = save_adapter(policy, version_dir(root, version))
+    prune_versions(root, keep)
+    return DiskWeights(path, version, peft=True)
+
+
 def make_publish(
     engine: Engine, policy: PreTrainedModel, weights_dir: Path, group: WeightGroup | None = None
 ) -> Publish:
     """``publish(version)``: the policy's weights (a LoRA policy's adapted modules,
-    merged; or its adapters alone to servers that merge them, ``sao serve`` through
-    the weight directory) to ``engine``, broadcast over
+    merged; or its adapters alone to servers that take them, through the weight
+    directory: ``sao serve`` merges sao's factors itself, vLLM loads a peft
+    adapter with ``rollout.lora_sync=adapter``) to ``engine``, broadcast over
     ``group`` when given, else in the first kind of source it accepts; returns
     the seconds it took (write or send, and apply)."""
 
@@ -95,6 +112,8 @@ def make_publish(
             source = await asyncio.to_thread(
                 write_weights, tensors, weights_dir, version, adapter=adapter
             )
+        elif has_lora(policy) and getattr(engine, "lora_adapters", False):
+            source = await asyncio.to_thread(write_adapter, policy, weights_dir, version)
         else:
             state = published_state(policy, fused=True)
             source = await asyncio.to_thread(
@@ -128,8 +147,14 @@ async def configured_servers(
         dtype=_dtype_name(policy),
         device=model_device_type(cfg, policy),
         extra=r.server_args,
+        lora_rank=cfg.model.lora.rank if _vllm_adapters(cfg) and cfg.model.lora else None,
     ) as servers:
         yield [s.url for s in servers]
+
+
+def _vllm_adapters(cfg: Config) -> bool:
+    """A LoRA policy's updates reach vLLM through its LoRA routes."""
+    return cfg.rollout.engine == "vllm" and cfg.rollout.lora_sync == "adapter"
 
 
 async def connect_servers(
@@ -156,6 +181,10 @@ async def connect_servers(
     except BaseException:
         await router.aclose()
         raise
+    for c in clients:  # rollout.lora_sync: sao serve takes sao's factors, vLLM peft adapters
+        if isinstance(c, VLLMEngine):
+            c.takes_adapters = c.takes_adapters and r.lora_sync != "merged"
+            c.lora_adapters = c.kind == "vllm" and r.lora_sync == "adapter"
     return router
 
 

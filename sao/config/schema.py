@@ -287,6 +287,13 @@ class RolloutConfig(_Section):
     """How weights reach servers: ``disk`` (the weights directory; survives a server
     failure), ``broadcast`` (a process group with the servers: NCCL on GPU, gloo on CPU;
     `sao serve` and SGLang), ``auto`` = disk."""
+    lora_sync: Literal["auto", "merged", "adapter"] = "auto"
+    """How a LoRA policy's update (``model.lora``) reaches servers: ``merged`` (the adapted
+    modules' merged weights, reloaded in place), ``adapter`` (the adapters alone: `sao serve`
+    merges them itself, vLLM loads them through its LoRA routes as a new adapter per version;
+    launched vLLM servers get ``--enable-lora``), ``auto`` = adapter for `sao serve`, merged
+    for vLLM (docs/lora.md says why). The embedded engine always applies merged modules
+    in place."""
     weight_transfer_address: str = "127.0.0.1"
     """Address the servers reach the trainer on for ``weight_transfer=broadcast``
     (backend=local; with backend=ray the trainer's rank 0 hosts the group at its node's
@@ -489,5 +496,31 @@ class Config(_Section):
                 "model.lora with rollout.engine=sglang: a LoRA update reloads only the adapted "
                 "modules, which is tested on the torch, http and vllm engines only; use one of "
                 "those or full fine-tuning"
+            )
+        if self.rollout.lora_sync != "auto" and not self.model.lora:
+            raise ValueError(
+                f"rollout.lora_sync={self.rollout.lora_sync} sets how a LoRA policy's updates "
+                "reach servers; model.lora is unset (full fine-tuning sends whole weights)"
+            )
+        if self.rollout.lora_sync == "adapter" and self.rollout.engine not in ("http", "vllm"):
+            raise ValueError(
+                "rollout.lora_sync=adapter sends adapters to servers (rollout.engine=http or "
+                f"vllm); rollout.engine={self.rollout.engine} applies merged modules in place"
+            )
+        if self.rollout.lora_sync == "adapter" and self.rollout.weight_transfer == "broadcast":
+            raise ValueError(
+                "rollout.lora_sync=adapter goes through the weights directory; set "
+                "rollout.weight_transfer=disk (or auto)"
+            )
+        vllm_max_rank = 512  # vLLM's largest --max-lora-rank (sao.rollout.remote.launch)
+        if (
+            self.rollout.lora_sync == "adapter"
+            and self.rollout.engine == "vllm"
+            and self.model.lora
+            and self.model.lora.rank > vllm_max_rank
+        ):
+            raise ValueError(
+                f"vLLM serves LoRA adapters up to rank {vllm_max_rank}, not model.lora.rank="
+                f"{self.model.lora.rank}; lower the rank or set rollout.lora_sync=merged"
             )
         return self

@@ -39,7 +39,9 @@ __all__ = [
     "TensorWeights",
     "WeightSource",
     "merge_adapter",
+    "prune_versions",
     "read_weights",
+    "version_dir",
     "write_weights",
 ]
 
@@ -58,10 +60,13 @@ class TensorWeights:
 
 @dataclass(frozen=True)
 class DiskWeights:
-    """A complete weight directory written by :func:`write_weights`."""
+    """A complete weight directory written by :func:`write_weights`, or with
+    ``peft`` a LoRA adapter in peft's format for the served base model
+    (:func:`sao.models.lora.write_adapter`: vLLM loads it through its LoRA routes)."""
 
     path: Path
     version: int
+    peft: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,7 +128,7 @@ def write_weights(
         raise ValueError(f"write_weights: keep must be >= 1, got {keep}")
     root_p = Path(root)
     root_p.mkdir(parents=True, exist_ok=True)
-    final = root_p / f"v{version:08d}"
+    final = version_dir(root_p, version)
     tmp = root_p / f".v{version:08d}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -158,10 +163,23 @@ def write_weights(
     (tmp / META_FILE).write_text(json.dumps(meta))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    versions = sorted(p for p in root_p.glob("v[0-9]*") if p.is_dir())
+    prune_versions(root_p, keep)
+    return DiskWeights(final, version)
+
+
+def version_dir(root: str | os.PathLike[str], version: int) -> Path:
+    """Where version ``version`` lives under a weights directory ``root``."""
+    return Path(root) / f"v{version:08d}"
+
+
+def prune_versions(root: str | os.PathLike[str], keep: int) -> None:
+    """Delete all but the newest ``keep`` version directories under ``root``
+    (a server may still be reading the previous one)."""
+    if keep < 1:
+        raise ValueError(f"keep must be >= 1, got {keep}")
+    versions = sorted(p for p in Path(root).glob("v[0-9]*") if p.is_dir())
     for old in versions[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
-    return DiskWeights(final, version)
 
 
 def read_weights(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:

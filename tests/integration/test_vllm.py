@@ -23,7 +23,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +32,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from sao.app.engines import write_adapter
+from sao.models.lora import add_lora, merged_copy
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
 from sao.rollout.remote import launch
 from sao.rollout.remote.http_engine import EngineSetupError, ModelIdentity
 from sao.rollout.remote.launch import LaunchedServer, launch_servers
 from sao.rollout.remote.vllm_engine import VLLMEngine
-from sao.rollout.weights import read_weights, write_weights
+from sao.rollout.weights import WeightSource, read_weights, write_weights
 from sao.types import SamplingParams
 
 VLLM_PYTHON = os.environ.get("SAO_VLLM_PYTHON", "")
@@ -68,9 +70,10 @@ def policy_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def start_server(
-    policy_dir: Path, log_dir: Path
+    policy_dir: Path, log_dir: Path, lora_rank: int | None = None
 ) -> contextlib.AbstractAsyncContextManager[list[LaunchedServer]]:
-    """One vLLM server on the policy, as ``rollout.launch = 1`` starts it."""
+    """One vLLM server on the policy, as ``rollout.launch = 1`` starts it (with
+    ``lora_rank``, as it starts one for ``rollout.lora_sync=adapter``)."""
     return launch_servers(
         "vllm",
         str(policy_dir),
@@ -82,6 +85,7 @@ def start_server(
         max_batch_size=8,
         dtype="float32",
         device="cpu",
+        lora_rank=lora_rank,
     )
 
 
@@ -113,6 +117,46 @@ def hf_logprobs(
 
 def max_gap(logprobs: Sequence[float], reference_T: torch.Tensor) -> float:
     return float((torch.tensor(logprobs) - reference_T).abs().max())
+
+
+async def update_inside_a_request(
+    client: VLLMEngine,
+    prompt: list[int],
+    current: PreTrainedModel,
+    next_version: Callable[[int], tuple[WeightSource, PreTrainedModel]],
+) -> int:
+    """An update while a request runs: it is aborted and resubmitted, the tokens
+    before carry the old version and match its weights, those after the new.
+    Where the pause lands is a race (a fast machine can finish 400 tokens before
+    it; too early, the request is still in transit and is sampled again under the
+    new version), so a miss is retried with a new version (``next_version(v)``:
+    its weights and the model they are), the head start bisected between the
+    last too early and too late. Returns the version that landed inside."""
+    long = SamplingParams(temperature=0.5, max_new_tokens=400, seed=3)
+    old_model, delay, early, late, misses = current, 0.05, 0.0, None, []
+    for version in range(client.version + 1, client.version + 9):
+        source, new_model = next_version(version)
+        task = asyncio.create_task(client.generate(prompt, long))
+        await asyncio.sleep(delay)
+        await client.update_weights(source)
+        c = await task
+        k = c.versions.count(version - 1)
+        if 0 < k < len(c.token_ids):
+            break
+        # a miss is still exact under the one version all its tokens carry
+        ref = hf_logprobs(new_model if k == 0 else old_model, prompt, c.token_ids, 0.5)
+        assert max_gap(c.logprobs, ref) < TOL, (delay, k)
+        misses.append((delay, k, len(c.token_ids)))
+        late, early = (delay, early) if k else (late, delay)
+        delay = (early + late) / 2 if late is not None else 2 * delay + 0.05
+        old_model = new_model
+    else:
+        pytest.fail(f"no update landed inside a request: {misses}")
+    toks = list(c.token_ids)
+    assert c.versions == (version - 1,) * k + (version,) * (len(toks) - k)
+    assert max_gap(c.logprobs[:k], hf_logprobs(old_model, prompt, toks[:k], 0.5)) < TOL
+    assert max_gap(c.logprobs[k:], hf_logprobs(new_model, prompt, toks, 0.5)[k:]) < TOL
+    return version
 
 
 async def weight_info(url: str) -> str:
@@ -162,44 +206,17 @@ def test_generate_and_weight_updates_match_a_float32_forward(
                 # tokens before it; too early, the request is still in transit and is
                 # sampled again under the new version), so a miss is retried with a new
                 # version, the head start bisected between the last too early and too late.
-                long = SamplingParams(temperature=0.5, max_new_tokens=400, seed=3)
-                old_model, delay, misses = v1, 0.05, []
-                early, late = 0.0, None
-                for version in range(2, 10):
-                    new_model = perturbed(policy_dir, version)
+                resubmitted = client.resubmitted
+
+                def reloaded(version: int) -> tuple[WeightSource, PreTrainedModel]:
+                    model = perturbed(policy_dir, version)
                     w = write_weights(
-                        new_model.state_dict(), tmp_path / "weights", version, config=v1.config
+                        model.state_dict(), tmp_path / "weights", version, config=v1.config
                     )
-                    resubmitted = client.resubmitted
-                    task = asyncio.create_task(client.generate(prompts[0], long))
-                    await asyncio.sleep(delay)
-                    await client.update_weights(w)
-                    c = await task
-                    k = c.versions.count(version - 1)
-                    if 0 < k < len(c.token_ids):
-                        break
-                    # a miss is still exact under the one version all its tokens carry
-                    ref = hf_logprobs(
-                        new_model if k == 0 else old_model, prompts[0], c.token_ids, 0.5
-                    )
-                    assert max_gap(c.logprobs, ref) < TOL, (delay, k)
-                    misses.append((delay, k, len(c.token_ids)))
-                    if k:
-                        late = delay
-                    else:
-                        early = delay
-                    delay = (early + late) / 2 if late is not None else 2 * delay + 0.05
-                    old_model = new_model
-                else:
-                    pytest.fail(f"no update landed inside a request: {misses}")
-                n = len(c.token_ids)
-                assert c.versions == (version - 1,) * k + (version,) * (n - k)
+                    return w, model
+
+                await update_inside_a_request(client, prompts[0], v1, reloaded)
                 assert client.resubmitted > resubmitted
-                toks = list(c.token_ids)
-                ref_old = hf_logprobs(old_model, prompts[0], toks[:k], 0.5)
-                ref_new = hf_logprobs(new_model, prompts[0], toks, 0.5)[k:]
-                assert max_gap(c.logprobs[:k], ref_old) < TOL
-                assert max_gap(c.logprobs[k:], ref_new) < TOL
             finally:
                 await client.aclose()
             return server.log_path
@@ -235,10 +252,13 @@ def test_a_server_without_dev_mode_is_refused(
 
 
 @pytest.mark.timeout(420)
-def test_sao_train_on_a_launched_vllm_server(policy_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora-adapters"])
+def test_sao_train_on_a_launched_vllm_server(policy_dir: Path, tmp_path: Path, lora: bool) -> None:
+    """Full fine-tuning (weights reloaded), or LoRA whose updates vLLM loads as
+    adapters (``rollout.lora_sync=adapter``): the same exact ratios either way."""
     run_dir = tmp_path / "run"
     steps = 4
-    overrides = {
+    overrides: dict[str, object] = {
         "model.path": policy_dir,
         "rollout.engine": "vllm",
         "rollout.launch": 1,
@@ -257,6 +277,8 @@ def test_sao_train_on_a_launched_vllm_server(policy_dir: Path, tmp_path: Path) -
         "log.tensorboard": "false",
         "log.plots": "false",
     }
+    if lora:
+        overrides |= {"model.lora.rank": 8, "rollout.lora_sync": "adapter", "train.actor_lr": 1e-2}
     cmd = [sys.executable, "-m", "sao.cli", "train"]
     for key, value in overrides.items():
         cmd += ["--set", f"{key}={value}"]
@@ -279,3 +301,77 @@ def test_sao_train_on_a_launched_vllm_server(policy_dir: Path, tmp_path: Path) -
         assert abs(math.log(lo)) < 1e-3 and abs(math.log(hi)) < 1e-3, ratios
     log = (run_dir / "servers" / "vllm-server-0.log").read_text(errors="replace")
     assert "SaoWorkerExtension" in log
+    weights = sorted((run_dir / "weights").iterdir())
+    assert [(w / "adapter_config.json").is_file() for w in weights] == [lora] * len(weights)
+    loaded = re.findall(r"Loaded new LoRA adapter: name '(sao-\w+-v\d+)'", log)
+    assert [int(name.rsplit("-v", 1)[1]) for name in loaded] == (
+        list(range(steps + 1)) if lora else []
+    )
+
+
+def lora_policy(path: Path, seed: int) -> PreTrainedModel:
+    """The policy with rank-8 adapters on q and v, moved off zero as training
+    moves them (B at random), so each version samples differently."""
+    model = load(path)
+    add_lora(model, rank=8, alpha=16.0, targets=["q_proj", "v_proj"])
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B" in name:
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+@pytest.mark.timeout(420)
+def test_lora_updates_through_vllm_adapter_routes(policy_dir: Path, tmp_path: Path) -> None:
+    """``rollout.lora_sync=adapter``: each version is a peft adapter loaded under
+    its own name; sampled log-probs are the merged model's, and an update during
+    a request splits it between the two adapters' versions, each exact."""
+    tokenizer = build_char_tokenizer()
+    prompts = [list(tokenizer(p).input_ids) for p in PROMPTS]
+    base = load(policy_dir)
+    sampling = SamplingParams(temperature=0.7, max_new_tokens=24, seed=11)
+    root = tmp_path / "weights"
+
+    async def go() -> list[str]:
+        async with start_server(policy_dir, tmp_path, lora_rank=8) as (server,):
+            client = VLLMEngine(server.url, request_timeout_s=120)
+            client.lora_adapters = True
+            try:
+                await client.connect(ModelIdentity.from_config(policy_dir, base.config))
+                v1 = lora_policy(policy_dir, 1)
+                w1 = write_adapter(v1, root, 1)
+                assert w1.peft and (w1.path / "adapter_config.json").is_file()
+                await client.update_weights(w1)
+                assert client.version == 1
+                merged = merged_copy(v1).eval()
+                outs = await asyncio.gather(*(client.generate(p, sampling) for p in prompts))
+                gaps = [
+                    max_gap(c.logprobs, hf_logprobs(merged, p, c.token_ids, 0.7))
+                    for p, c in zip(prompts, outs, strict=True)
+                ]
+                moved = [
+                    max_gap(c.logprobs, hf_logprobs(base, p, c.token_ids, 0.7))
+                    for p, c in zip(prompts, outs, strict=True)
+                ]
+                assert all(c.versions == (1,) * len(c.token_ids) for c in outs)
+                assert max(gaps) < TOL and max(moved) > 1e-2, (gaps, moved)
+
+                # an update during a request (the head start searched as in the reload test)
+                def adapted(version: int) -> tuple[WeightSource, PreTrainedModel]:
+                    policy = lora_policy(policy_dir, version)
+                    return write_adapter(policy, root, version), merged_copy(policy).eval()
+
+                version = await update_inside_a_request(client, prompts[0], merged, adapted)
+                # two adapters stay loaded (the newest and the one before), the older unloaded
+                async with aiohttp.ClientSession() as s, s.get(server.url + "/v1/models") as r:
+                    served = [m["id"] for m in (await r.json())["data"]]
+                assert served[1:] == [f"sao-{client._tag}-v{v}" for v in (version - 1, version)]
+                assert sorted(p.name for p in root.iterdir()) == [
+                    f"v{v:08d}" for v in (version - 1, version)
+                ]
+            finally:
+                await client.aclose()
+            return served
+
+    asyncio.run(go())

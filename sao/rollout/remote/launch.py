@@ -75,6 +75,18 @@ def sao_import_root() -> str:
     return str(shim)
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The values vLLM's ``--max-lora-rank`` takes (vLLM 0.32, ``MaxLoRARanks``)."""
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest ``--max-lora-rank`` vLLM takes that holds ``rank``."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"vLLM serves LoRA adapters up to rank {VLLM_LORA_RANKS[-1]}, not {rank}")
+
+
 def server_command(
     kind: ServerKind,
     model_dir: str,
@@ -86,8 +98,12 @@ def server_command(
     dtype: str,
     device: str,
     extra: Sequence[str] = (),
+    lora_rank: int | None = None,
 ) -> tuple[list[str], dict[str, str]]:
-    """The command line and extra environment of one server."""
+    """The command line and extra environment of one server. ``lora_rank``: a vLLM
+    server takes LoRA adapters up to that rank, loaded at run time
+    (``/v1/load_lora_adapter``); two at once, the new version's and the previous
+    one's, which a request sent just before an update may still name."""
     py = python or sys.executable
     env: dict[str, str] = {}
     if kind == "http":
@@ -108,6 +124,10 @@ def server_command(
         )
         if device == "cpu":
             env |= {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CPU_KVCACHE_SPACE": "1"}
+        if lora_rank is not None:
+            cmd += ["--enable-lora", "--max-lora-rank", str(vllm_lora_rank(lora_rank))]
+            cmd += ["--max-loras", "2"]
+            env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter
     elif kind == "sglang":
         cmd = [py, "-m", "sglang.launch_server", "--model-path", model_dir]
         cmd += ["--host", "127.0.0.1", "--port", str(port), "--dtype", dtype]
@@ -178,8 +198,10 @@ async def launch_servers(
     dtype: str,
     device: str,
     extra: Sequence[str] = (),
+    lora_rank: int | None = None,
 ) -> AsyncIterator[list[LaunchedServer]]:
-    """Start ``n`` servers of ``kind`` on free loopback ports; yields them once healthy."""
+    """Start ``n`` servers of ``kind`` on free loopback ports; yields them once healthy
+    (``lora_rank``: see :func:`server_command`)."""
     log_dir.mkdir(parents=True, exist_ok=True)
     servers: list[LaunchedServer] = []
     try:
@@ -195,6 +217,7 @@ async def launch_servers(
                 dtype=dtype,
                 device=device,
                 extra=extra,
+                lora_rank=lora_rank,
             )
             log_path = log_dir / f"{kind}-server-{i}.log"
             with log_path.open("wb") as log:

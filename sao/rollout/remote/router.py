@@ -77,6 +77,12 @@ class EngineRouter:
         return all(getattr(e, "takes_adapters", False) for e in self.engines)
 
     @property
+    def lora_adapters(self) -> bool:
+        """Every engine loads a LoRA policy's updates as peft adapters (vLLM's LoRA
+        routes, ``rollout.lora_sync=adapter``)."""
+        return all(getattr(e, "lora_adapters", False) for e in self.engines)
+
+    @property
     def max_seq_len(self) -> int | None:
         lens = [getattr(e, "max_seq_len", None) for e in self.engines]
         known = [n for n in lens if isinstance(n, int)]

@@ -7,6 +7,7 @@ shared HTTP client's (:mod:`sao.rollout.remote.http_engine`)."""
 from __future__ import annotations
 
 import asyncio
+import uuid
 from typing import Any
 
 from sao.rollout.remote.collective import WeightGroup, describe
@@ -19,7 +20,7 @@ from sao.rollout.remote.http_engine import (
     _Part,
     _refuse_mismatch,
 )
-from sao.rollout.weights import BroadcastWeights, DiskWeights
+from sao.rollout.weights import BroadcastWeights, DiskWeights, WeightSource
 from sao.types import SamplingParams
 
 __all__ = ["VLLMEngine"]
@@ -58,6 +59,10 @@ class VLLMEngine(_HttpEngine):
         self.takes_adapters = False
         """True for a ``sao serve`` that merges LoRA factors itself (a weight directory
         written with ``write_weights(..., adapter=...)``); vLLM takes merged weights."""
+        self.lora_adapters = False
+        """True to load a LoRA policy's updates through vLLM's LoRA routes (see above)."""
+        self._adapters: list[str] = []  # loaded by this client, oldest first
+        self._tag = uuid.uuid4().hex[:8]  # adapter names never collide with another run's
 
     async def connect(self, identity: ModelIdentity | None, timeout_s: float = 30.0) -> None:
         await self.wait_ready(timeout_s)
@@ -165,6 +170,42 @@ class VLLMEngine(_HttpEngine):
     async def _receive(self, source: BroadcastWeights) -> None:
         info = describe(source.state_dict)
         await self._ok("POST", "/update_weights", {"update_info": info, "version": source.version})
+
+    async def update_weights(self, source: WeightSource) -> None:
+        if isinstance(source, DiskWeights) and source.peft:
+            name = await self._load_adapter(source)  # running requests keep their adapter
+            await self._paused(self._switch_adapter(name), source.version)
+            return
+        await super().update_weights(source)
+
+    async def _load_adapter(self, source: DiskWeights) -> str:
+        name = f"sao-{self._tag}-v{source.version}"
+        body = {"lora_name": name, "lora_path": str(source.path)}
+        status, data = await self._call("POST", "/v1/load_lora_adapter", body)
+        if status >= 500:
+            raise EngineError(
+                f"{self.kind} server {self.url} failed to load adapter {name}: {data!r:.300}"
+            )
+        if status >= 400:
+            raise EngineSetupError(
+                f"{self.kind} server {self.url} cannot load the LoRA adapter {source.path} "
+                f"({status}: {data!r:.300}). rollout.lora_sync=adapter needs vLLM started with "
+                "--enable-lora --max-lora-rank R (R >= model.lora.rank) --max-loras 2 and the "
+                "environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (rollout.launch "
+                "starts it so), or set rollout.lora_sync=merged"
+            )
+        return name
+
+    async def _switch_adapter(self, name: str) -> None:
+        self.model_name = name
+        self._adapters.append(name)
+        while len(self._adapters) > 2:
+            old = self._adapters.pop(0)
+            status, data = await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": old})
+            if status >= 500:
+                raise EngineError(
+                    f"{self.kind} server {self.url} failed to unload {old}: {data!r:.300}"
+                )
 
     async def _pause(self) -> None:
         await self._ok("POST", "/pause", params={"mode": "abort", "clear_cache": "true"})

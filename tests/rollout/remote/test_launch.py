@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from sao.rollout.remote.http_engine import EngineSetupError
-from sao.rollout.remote.launch import _inherited, launch_servers, server_command
+from sao.rollout.remote.launch import _inherited, launch_servers, server_command, vllm_lora_rank
 from sao.rollout.remote.vllm_engine import VLLMEngine
 from sao.types import SamplingParams
 
@@ -66,6 +66,19 @@ def test_vllm_command_enables_rl_routes_and_processed_logprobs() -> None:
     cmd, env = server_command("vllm", "/m", 8000, python="py", **KW)
     assert cmd[:3] == ["py", "-m", "vllm.entrypoints.launchers.api_server.entry"]
     assert "processed_logprobs" in cmd and env["VLLM_SERVER_DEV_MODE"] == "1"
+
+
+def test_vllm_command_for_lora_adapters() -> None:
+    cmd, env = server_command("vllm", "/m", 8000, python="py", **KW)
+    assert "--enable-lora" not in cmd and "VLLM_ALLOW_RUNTIME_LORA_UPDATING" not in env
+    cmd, env = server_command("vllm", "/m", 8000, python="py", lora_rank=12, **KW)
+    i = cmd.index("--max-lora-rank")
+    assert "--enable-lora" in cmd and cmd[i + 1] == "16"  # the next rank vLLM takes
+    assert cmd[cmd.index("--max-loras") + 1] == "2"  # the new version's and the previous
+    assert env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert [vllm_lora_rank(r) for r in (1, 2, 8, 9, 64, 300, 512)] == [1, 8, 8, 16, 64, 320, 512]
+    with pytest.raises(ValueError, match="up to rank 512"):
+        vllm_lora_rank(513)
 
 
 def test_only_sao_servers_inherit_saos_spin_default(monkeypatch: pytest.MonkeyPatch) -> None:
