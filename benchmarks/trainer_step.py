@@ -43,6 +43,7 @@ measured float32 GEMM rate (a ``--gemm``-sized ``torch.mm``).
 
     PYTHONPATH=. python benchmarks/trainer_step.py [--model tiny|PATH] [--mix longtail|calc]
         [--batch 32] [--repeats 3] [--packing] [--budget 8192]
+        [--critic-train-layers N --arms sao,grpo,sao_whole]
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import sao.train.sharded as sharded_mod
 import sao.train.trainer as trainer_mod
 from sao.algo.presets import get_preset
-from sao.models.freeze import freeze_attention
+from sao.models.freeze import freeze_attention, freeze_below
 from sao.models.loading import load_policy
 from sao.models.tiny import tiny_config
 from sao.models.value import ValueModel
@@ -131,14 +132,26 @@ def build_policy(model: str) -> PreTrainedModel:
 
 
 def trainers(
-    policy: PreTrainedModel, settings: OptimSettings
+    policy: PreTrainedModel, settings: OptimSettings, train_layers: int | None = None
 ) -> tuple[Trainer, Trainer, ValueModel]:
-    """(SAO trainer, GRPO trainer, SAO's critic), each on its own copy of ``policy``."""
+    """(SAO trainer, GRPO trainer, SAO's critic), each on its own copy of ``policy``;
+    ``train_layers``: the critic trains its top layers only (``algo.critic_train_layers``)."""
     critic = ValueModel.from_policy(copy.deepcopy(policy))
     freeze_attention(critic)  # as sao.app.parts.load_critic does for SAO
+    if train_layers is not None:
+        freeze_below(critic, train_layers)
     sao = Trainer(copy.deepcopy(policy), critic, get_preset("sao"), settings)
     grpo = Trainer(policy, None, get_preset("grpo"), settings)
     return sao, grpo, critic
+
+
+def without_trunk_cache(sao: Trainer) -> Trainer:
+    """A copy of the SAO trainer whose critic runs every forward whole (no
+    :meth:`ValueModel.trunk_cache`): what a frozen trunk cost before it was cached."""
+    assert sao.policy is not None and sao.critic is not None
+    critic = copy.deepcopy(sao.critic)
+    critic.frozen_trunk = lambda: 0  # type: ignore[method-assign]
+    return Trainer(copy.deepcopy(sao.policy), critic, sao.algo, sao.opt)
 
 
 # ------------------------------------------------------------------ work model
@@ -377,17 +390,25 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=8192, help="train.token_budget")
     p.add_argument("--packing", action="store_true", help="train.packing=true")
     p.add_argument("--gemm", type=int, default=2048, help="side of the torch.mm rate test")
-    p.add_argument("--arms", default="sao,grpo")
+    p.add_argument("--arms", default="sao,grpo", help="of sao, grpo, sao_whole")
+    p.add_argument(
+        "--critic-train-layers",
+        type=int,
+        help="SAO's critic trains its top N layers only; arm sao_whole runs its frozen "
+        "trunk in every forward (no trunk cache)",
+    )
     args = p.parse_args()
     policy = build_policy(args.model)
     trajs = make_batch(args.mix, args.batch, policy.config.vocab_size)
     lengths = [len(t.tokens) for t in trajs]
     settings = OptimSettings(token_budget=args.budget, packing=args.packing)
-    sao, grpo, critic = trainers(policy, settings)
+    sao, grpo, critic = trainers(policy, settings, args.critic_train_layers)
     K = sao.algo.critic_steps
     w = work(policy, critic, lengths, K)
-    arms = {"sao": sao, "grpo": grpo}
     names = args.arms.split(",")
+    arms = {"sao": sao, "grpo": grpo}
+    if "sao_whole" in names:
+        arms["sao_whole"], w["sao_whole"] = without_trunk_cache(sao), w["sao"]
     print(
         f"model {args.model}: {sum(q.numel() for q in policy.parameters()):,} parameters; "
         f"mix {args.mix}: {len(lengths)} episodes, {sum(lengths):,} tokens "
@@ -409,7 +430,9 @@ def main() -> None:
     print(f"\nfloat32 GEMM rate after: {rate2 / 1e9:.1f} GFLOP/s")
     for n in names:
         print(f"  {n.upper()} MFU: {w[n] / med[n] / max(rate, rate2):.1%} of the GEMM rate")
-    if len(names) == 2:
+    if "sao_whole" in names and "sao" in names:
+        print(f"SAO with the trunk cache / without: time {med['sao'] / med['sao_whole']:.2f}x")
+    if "sao" in names and "grpo" in names:
         print(
             f"SAO/GRPO: time {med['sao'] / med['grpo']:.2f}x, "
             f"work {w['sao'] / w['grpo']:.2f}x "

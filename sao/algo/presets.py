@@ -103,7 +103,8 @@ class AlgoPreset:
     critic_train_layers: int | None = None
     """Train only the critic's top N decoder layers (with frozen attention: their MLPs), its
     final norm and its value head; the layers below and the embeddings are frozen, so the
-    critic's backward stops at layer L - N (a cheaper critic). None: every layer (paper)
+    critic's backward stops at layer L - N and a step runs them once, not in each of its
+    critic forwards (a cheaper critic). None: every layer (paper)
     [choice, not the paper's].
     """
 

@@ -43,6 +43,7 @@ __all__ = [
     "classify_parameter",
     "freeze_attention",
     "freeze_below",
+    "layer_stack",
 ]
 
 FREEZE_GROUPS: tuple[str, ...] = (
@@ -174,7 +175,7 @@ def freeze_attention(model: nn.Module) -> FreezeReport:
     return FreezeReport(frozen=frozen, trainable=trainable, frozen_names=tuple(frozen_names))
 
 
-def _layer_stack(model: nn.Module) -> tuple[str, int]:
+def layer_stack(model: nn.Module) -> tuple[str, int]:
     """The path and length of ``model``'s decoder layer stack (its first non-empty
     ``ModuleList``)."""
     for path, module in model.named_modules():
@@ -193,7 +194,7 @@ def freeze_below(model: nn.Module, top_layers: int) -> FreezeReport:
     :func:`freeze_attention`) is left as it is. Idempotent; call it before the
     optimizer is built. A ``top_layers`` above the model's layer count is a
     ``ValueError`` naming the count."""
-    path, n = _layer_stack(model)
+    path, n = layer_stack(model)
     if not 1 <= top_layers <= n:
         raise ValueError(f"top_layers must be in [1, {n}] ({type(model).__name__} has {n} layers)")
     module_names = frozenset(name for name, _ in model.named_modules())

@@ -16,11 +16,14 @@ directory and renamed, so a crash never leaves a half-written critic.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -28,6 +31,7 @@ from torch import nn
 from transformers import AutoModel, PreTrainedModel
 
 from sao.models.cache import atomic_dir
+from sao.models.freeze import layer_stack
 from sao.models.loading import ModelLoadError, load_config, load_policy
 from sao.models.logprobs import run_backbone, validate_token_batch
 from sao.models.lora import has_lora, load_adapter, save_adapter
@@ -38,6 +42,28 @@ HEAD_FILE = "value_head.safetensors"
 HEAD_CONFIG = "value_head.json"
 LORA_DIR = "adapter"
 """Where a LoRA critic's adapter goes (its backbone is the base checkpoint's)."""
+
+
+@dataclass
+class _Trunk:
+    """A frozen trunk's output for one input (:meth:`ValueModel.trunk_cache`)."""
+
+    tokens_BT: torch.Tensor
+    mask_BT: torch.Tensor
+    packed: bool
+    hidden: torch.Tensor
+
+
+class _Replay(nn.Module):
+    """Stands in for a frozen bottom layer while a cached trunk is replayed: the
+    first returns the trunk's output, the others pass it on."""
+
+    def __init__(self, hidden: torch.Tensor | None) -> None:
+        super().__init__()
+        self.hidden = hidden
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return self.hidden if self.hidden is not None else hidden_states
 
 
 class ValueModel(nn.Module):
@@ -67,6 +93,78 @@ class ValueModel(nn.Module):
                 f"Linear({value_head.in_features}, {value_head.out_features})"
             )
         self.value_head = value_head.to(device=backbone.device, dtype=torch.float32)
+        self._trunks: list[_Trunk] | None = None  # set inside trunk_cache()
+
+    def frozen_trunk(self) -> int:
+        """How many bottom decoder layers are frozen whole, with the embeddings
+        below them (``algo.critic_train_layers``): their output depends on the
+        tokens alone. 0 when any of them trains (frozen attention alone, LoRA)."""
+        path, n = layer_stack(self.backbone)
+        stack = cast(nn.ModuleList, self.backbone.get_submodule(path))
+        below = self.backbone.get_input_embeddings()
+        if any(p.requires_grad for p in below.parameters()):
+            return 0
+        frozen = 0
+        for layer in stack[:n]:
+            if any(p.requires_grad for p in layer.parameters()):
+                break
+            frozen += 1
+        return frozen if frozen < n else 0
+
+    @contextlib.contextmanager
+    def trunk_cache(self) -> Iterator[None]:
+        """Within it, a forward on tokens it already ran reuses the frozen
+        trunk's output (:meth:`frozen_trunk`) and runs only the layers above it:
+        one batch's K critic updates and its values compute the trunk once. The
+        values are the same numbers (the top layers get the same input). Nothing
+        is cached when no bottom layer is frozen, or when the layers do not
+        return a plain tensor (then every forward runs whole)."""
+        if self.frozen_trunk() == 0:
+            yield
+            return
+        self._trunks = []
+        try:
+            yield
+        finally:
+            self._trunks = None
+
+    def _cached_trunk(
+        self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, packed: bool
+    ) -> _Trunk | None:
+        for t in self._trunks or ():
+            same = t.packed == packed and t.tokens_BT.shape == tokens_BT.shape
+            if same and torch.equal(t.tokens_BT, tokens_BT) and torch.equal(t.mask_BT, mask_BT):
+                return t
+        return None
+
+    def _hidden(self, tokens_BT: torch.Tensor, mask_BT: torch.Tensor, packed: bool) -> torch.Tensor:
+        """The backbone's last hidden states, through the trunk cache when it is on."""
+        if self._trunks is None:
+            return run_backbone(self.backbone, tokens_BT, mask_BT, packed=packed)
+        path, _ = layer_stack(self.backbone)
+        stack = cast(nn.ModuleList, self.backbone.get_submodule(path))
+        n = self.frozen_trunk()
+        hit = self._cached_trunk(tokens_BT, mask_BT, packed)
+        if hit is None:
+            seen: list[object] = []
+            hook = stack[n - 1].register_forward_hook(lambda m, a, out: seen.append(out))
+            try:
+                hidden = run_backbone(self.backbone, tokens_BT, mask_BT, packed=packed)
+            finally:
+                hook.remove()
+            if seen and isinstance(seen[-1], torch.Tensor):  # (a first packed forward
+                # runs a check of packing before itself: the last output is this one's)
+                trunk = _Trunk(tokens_BT.clone(), mask_BT.clone(), packed, seen[-1].detach())
+                self._trunks.append(trunk)
+            return hidden
+        frozen = [stack[i] for i in range(n)]
+        for i in range(n):
+            stack[i] = _Replay(hit.hidden if i == 0 else None)
+        try:
+            return run_backbone(self.backbone, tokens_BT, mask_BT, packed=packed)
+        finally:
+            for i, layer in enumerate(frozen):
+                stack[i] = layer
 
     @classmethod
     def from_policy(
@@ -109,7 +207,7 @@ class ValueModel(nn.Module):
         """Values ``[B, T]`` (float32), 0 at padding positions. ``packed``: the
         backbone runs padding-free (:mod:`sao.models.packing`), same values."""
         mask_BT = validate_token_batch(tokens_BT, attention_mask_BT)
-        hidden_BTH = run_backbone(self.backbone, tokens_BT, mask_BT, packed=packed)
+        hidden_BTH = self._hidden(tokens_BT, mask_BT, packed)
         after_BT = self.value_head(hidden_BTH.float()).squeeze(-1)  # V(tokens <= t)
         values_BT = torch.zeros_like(after_BT)
         values_BT[:, 1:] = after_BT[:, :-1]  # V(tokens < t): the state token t was drawn in

@@ -18,6 +18,7 @@ the step is the same code on one rank or many (sao/train/sharded.py)."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Literal
@@ -148,16 +149,23 @@ class Trainer:
         self.begin_step()
         batch = self.prepare(trajectories)
         stats: Stats = {}
-        if self.critic is not None and self.algo.advantage in CRITIC_ADVANTAGES:
-            # the values for GAE are the first critic update's forward (one forward saved)
-            values_BT, stats = self.first_critic_update(batch)
-            targets = self.targets(batch, values_BT, self.running_mean)
-            if targets is not None:
-                stats |= self.update_critic(batch, targets, values_BT, first_done=True)
-                if self.algo.advantages_after_critic_update and train_actor:
-                    targets = self.targets(batch, self.values(batch), None, before_update=False)
-        else:
-            targets = self.targets(batch, self.values(batch), self.running_mean)
+        # a critic whose bottom layers are frozen (algo.critic_train_layers) runs them once
+        # for the batch, not once per forward (its values are the same numbers)
+        cache: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+        if self.critic is not None and self.ranks.world_size == 1:
+            cache = self.critic.trunk_cache()
+        with cache:
+            if self.critic is not None and self.algo.advantage in CRITIC_ADVANTAGES:
+                # the values for GAE are the first critic update's forward (one forward saved)
+                values_BT, stats = self.first_critic_update(batch)
+                targets = self.targets(batch, values_BT, self.running_mean)
+                if targets is not None:
+                    stats |= self.update_critic(batch, targets, values_BT, first_done=True)
+                    if self.algo.advantages_after_critic_update and train_actor:
+                        values = self.values(batch)
+                        targets = self.targets(batch, values, None, before_update=False)
+            else:
+                targets = self.targets(batch, self.values(batch), self.running_mean)
         if train_actor and targets is not None:
             stats |= self.update_actor(batch, targets.advantages_BT)
         patience = self.algo.critic_pretrain_patience

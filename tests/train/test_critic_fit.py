@@ -198,6 +198,94 @@ def test_a_top_layer_critic_step_leaves_the_lower_layers_bitwise() -> None:
         assert torch.equal(p, before[n]) != p.requires_grad, n
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_frozen_trunk_runs_once_per_batch_with_the_same_values(packed: bool) -> None:
+    """Inside ``trunk_cache`` a forward on tokens it already ran replays the frozen
+    bottom layers' output: layer 0 runs once for three forwards of one batch and
+    again for another batch; the values and the top layer's gradients are bitwise
+    those of whole forwards."""
+    critic = ValueModel.from_policy(make_arch_model("llama"), seed=1)
+    freeze_below(critic, 1)
+    n = len(critic.backbone.layers)
+    assert critic.frozen_trunk() == n - 1
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(3, 60, (3, 9), generator=g)
+    mask = torch.ones_like(tokens)
+    mask[1, 6:] = 0  # a shorter row: padding
+    other = torch.randint(3, 60, (3, 9), generator=g)
+    critic(tokens, mask, packed=packed)  # (a first packed forward checks packing first)
+    runs = []
+    critic.backbone.layers[0].register_forward_hook(lambda *_: runs.append(1))
+
+    def values_and_grads(t: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        critic.zero_grad(set_to_none=True)
+        v = critic(t, mask, packed=packed)
+        (v**2).sum().backward()
+        return v.detach(), [p.grad.clone() for p in critic.parameters() if p.requires_grad]
+
+    whole = [values_and_grads(t) for t in (tokens, tokens, other)]
+    assert len(runs) == 3
+    runs.clear()
+    with critic.trunk_cache():
+        cached = [values_and_grads(t) for t in (tokens, tokens, other, tokens)]
+        with torch.no_grad():
+            again = critic(other, mask, packed=packed)
+    assert len(runs) == 2  # once for each batch
+    for (v, grads), (w, wgrads) in zip([*whole, whole[0]], cached, strict=True):
+        assert torch.equal(v, w)
+        assert all(torch.equal(a, b) for a, b in zip(grads, wgrads, strict=True))
+    assert torch.equal(again, whole[2][0])
+    assert critic._trunks is None  # the cache ends with the context
+    runs.clear()
+    critic(tokens, mask)
+    assert len(runs) == 1
+
+
+def test_no_trunk_is_cached_when_every_layer_trains() -> None:
+    critic = ValueModel.from_policy(make_arch_model("llama"), seed=1)
+    freeze_attention(critic)  # the paper's critic: every layer's MLP trains
+    assert critic.frozen_trunk() == 0
+    runs = []
+    critic.backbone.layers[0].register_forward_hook(lambda *_: runs.append(1))
+    tokens = torch.randint(3, 60, (2, 7), generator=torch.Generator().manual_seed(0))
+    with critic.trunk_cache():
+        for _ in range(2):
+            critic(tokens, torch.ones_like(tokens))
+    assert len(runs) == 2
+
+
+def test_a_top_layer_critic_step_is_the_same_with_the_trunk_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A SAO step (K=2 critic updates, values for GAE, the actor) with the trunk
+    cache leaves every weight of the actor and the critic bitwise where the same
+    step with whole forwards leaves them."""
+
+    runs: dict[bool, list[int]] = {True: [], False: []}
+
+    def run(cache: bool) -> dict[str, torch.Tensor]:
+        rng = random.Random(5)
+        policy = build_tiny_policy(TOK, size="0.1m", seed=0)
+        critic = ValueModel.from_policy(policy, seed=1)
+        freeze_below(critic, 1)
+        critic.backbone.layers[0].register_forward_hook(lambda *_: runs[cache].append(1))
+        if not cache:
+            monkeypatch.setattr(ValueModel, "frozen_trunk", lambda self: 0)
+        settings = OptimSettings(actor_lr=1e-3, critic_lr=1e-2, critic_lr_warmup_steps=1)
+        trainer = Trainer(policy, critic, PRESETS["sao"], settings)
+        for _ in range(2):
+            trainer.step([episode(rng, 2, f"g{i}") for i in range(8)])
+        monkeypatch.undo()
+        named = [*policy.named_parameters(), *critic.named_parameters(prefix="critic")]
+        return {n: p.detach().clone() for n, p in named}
+
+    with_cache, without = run(True), run(False)
+    # per step: the values and K=2 updates run the trunk 2 times whole, once cached
+    assert len(runs[False]) == 2 * len(runs[True]) > 0
+    assert with_cache.keys() == without.keys()
+    assert all(torch.equal(with_cache[n], without[n]) for n in with_cache)
+
+
 def test_calibration_by_turn_counts_the_episodes_that_reached_each_turn() -> None:
     # turn 1: values 0.2, 0.4, 0.6 for rewards 0, 1, 1 -> AUC 1 (both successes above
     # the failure); EV = 1 - Var(R - V) / Var(R): R - V = -0.2, 0.6, 0.4, mean 0.2667,
