@@ -75,14 +75,9 @@ from sao.rollout.embedded.kv_forward import (
 )
 from sao.rollout.embedded.sampling import Detokenizer, StopStringMatcher, default_stop_ids
 from sao.rollout.embedded.scheduler import Request, Scheduler, WeightUpdate
+from sao.rollout.embedded.weight_book import WeightBook
 from sao.rollout.openmp import release_team
-from sao.rollout.weights import (
-    DiskWeights,
-    MergedAdapter,
-    TensorWeights,
-    WeightSource,
-    read_weights,
-)
+from sao.rollout.weights import DiskWeights, TensorWeights, WeightSource, read_weights
 from sao.types import Completion, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -223,15 +218,13 @@ class TorchEngine:
             if supports_static_kv(self._model)
             else DynamicCacheForward(self._model)
         )
-        self._weights = self._model.state_dict()
-        self._base: dict[str, torch.Tensor] = {}  # adapted modules' loaded weights (LoRA)
-        self._replaced: set[str] = set()  # weights a full update has replaced
+        self._book = WeightBook(self._model.state_dict())
         parked_cap = self.max_batch_size if max_cached_prefixes is None else max_cached_prefixes
         if not (prefix_cache and isinstance(forward, StaticKVForward)):
             parked_cap = 0  # the fallback forward cannot prefill on top of a prefix
         self._sched = Scheduler(
             forward,
-            self._weights,
+            self._book.weights,
             max_batch_size=self.max_batch_size,
             max_seq_len=self.max_seq_len,
             max_prefill_tokens=max_prefill_tokens,
@@ -343,23 +336,9 @@ class TorchEngine:
         engine.update_weights(TensorWeights(...))`` keeps the loop free.
         Running requests continue; tokens sampled afterwards carry ``version``.
         """
-        # a lazy mapping (sao.models.lora.MergedWeights) names its shapes, so that
-        # checking them does not compute each tensor a second time
-        shapes = getattr(state_dict, "shapes", None)
-        for name in state_dict:
-            if name not in self._weights:
-                raise KeyError(
-                    f"load_weights: {name!r} is not a weight of the engine's model; "
-                    "pass keys of model.state_dict()"
-                )
-            shape = tuple(shapes[name] if shapes is not None else state_dict[name].shape)
-            if shape != tuple(self._weights[name].shape):
-                raise ValueError(
-                    f"load_weights: {name!r} has shape {shape}, "
-                    f"the engine's model has {tuple(self._weights[name].shape)}"
-                )
+        self._book.check(state_dict)
         self._apply(WeightUpdate(state_dict, version))
-        self._replaced.update(state_dict)  # (their base weights are gone: see load_adapter)
+        self._book.replaced(state_dict)  # (their base weights are gone: see load_adapter)
 
     def load_adapter(
         self, tensors: Mapping[str, torch.Tensor], adapter: Mapping[str, Any], version: int
@@ -371,22 +350,7 @@ class TorchEngine:
         ``<module>.lora_A`` and ``<module>.lora_B``; ``adapter``: ``scaling`` by module
         and ``fan_in_fan_out`` (:func:`sao.models.lora.adapter_update`). A module
         whose weight a full update replaced has no base left: a ``ValueError``."""
-        scaling = dict(adapter["scaling"])
-        flip = bool(adapter.get("fan_in_fan_out", False))
-        for module in scaling:
-            key = f"{module}.weight"
-            if key not in self._weights:
-                raise KeyError(f"load_adapter: the engine's model has no module {module!r}")
-            if module not in self._base:
-                if key in self._replaced:
-                    raise ValueError(
-                        f"load_adapter: {module}'s weight was replaced since the engine loaded "
-                        "its checkpoint, so its base weight is gone; restart the engine on the "
-                        "base checkpoint"
-                    )
-                self._base[module] = self._weights[key].detach().clone()
-
-        self._apply(WeightUpdate(MergedAdapter(self._base, tensors, scaling, flip), version))
+        self._apply(WeightUpdate(self._book.merged(tensors, adapter), version))
 
     def _apply(self, update: WeightUpdate) -> None:
         """Hand ``update`` to the engine thread (or apply it, on that thread) and wait."""
