@@ -95,16 +95,22 @@ def make_publish(
     engine: Engine, policy: PreTrainedModel, weights_dir: Path, group: WeightGroup | None = None
 ) -> Publish:
     """``publish(version)``: the policy's weights (a LoRA policy's adapted modules,
-    merged; or its adapters alone to servers that take them, through the weight
-    directory: ``sao serve`` merges sao's factors itself, vLLM loads a peft
-    adapter with ``rollout.lora_sync=adapter``) to ``engine``, broadcast over
+    merged; or its adapters alone to servers that take them: ``sao serve`` merges
+    sao's factors itself, from the weight directory or a broadcast; vLLM loads a
+    peft adapter from the weight directory with ``rollout.lora_sync=adapter``) to
+    ``engine``, broadcast over
     ``group`` when given, else in the first kind of source it accepts; returns
     the seconds it took (write or send, and apply)."""
 
     async def publish(version: int) -> float:
         t0 = time.perf_counter()
-        if group is not None:
-            source: object = BroadcastWeights(published_state(policy, fused=True), version, group)
+        if group is not None and has_lora(policy) and getattr(engine, "takes_adapters", False):
+            tensors, adapter = adapter_update(policy)  # sao serve merges them itself
+            device = next(policy.parameters()).device if group.backend == "nccl" else "cpu"
+            tensors = {k: v.to(device) for k, v in tensors.items()}
+            source: object = BroadcastWeights(tensors, version, group, adapter=adapter)
+        elif group is not None:
+            source = BroadcastWeights(published_state(policy, fused=True), version, group)
         elif engine.weight_sources[0] is TensorWeights:
             source = TensorWeights(published_state(policy), version)
         elif has_lora(policy) and getattr(engine, "takes_adapters", False):

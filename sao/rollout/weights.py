@@ -76,12 +76,14 @@ class BroadcastWeights:
     ``send``: this process is the trainer's end and sends while the engines
     receive; False when another process sends (a Ray trainer rank): then
     ``state_dict`` only describes the tensors (names, dtypes, shapes; meta
-    tensors will do)."""
+    tensors will do). ``adapter``: the tensors are LoRA factors, merged by the
+    receiving server (as :func:`write_weights`' ``adapter``)."""
 
     state_dict: Mapping[str, torch.Tensor]
     version: int
     group: object
     send: bool = True
+    adapter: Mapping[str, object] | None = None
 
 
 WeightSource = TensorWeights | DiskWeights | BroadcastWeights

@@ -17,6 +17,8 @@ from sao.config import ConfigError, load_config
 from sao.models.loading import load_policy
 from sao.models.logprobs import sequence_logprobs
 from sao.models.lora import adapter_base, has_lora
+from sao.rollout.remote.vllm_engine import VLLMEngine
+from sao.rollout.weights import BroadcastWeights
 from tests.train.test_learning import SayATask, run
 
 LORA = (
@@ -82,11 +84,19 @@ def test_sao_with_lora_raises_reward_and_exports_merged_and_adapter(
 @pytest.mark.slow
 @pytest.mark.parametrize("transfer", ["disk", "broadcast"])
 def test_lora_through_sao_serve_sends_only_the_adapters(
-    tmp_path: Path, tiny_policy: Path, transfer: str
+    tmp_path: Path, tiny_policy: Path, transfer: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Through the weight directory the adapters alone travel (A and B); a
-    broadcast sends the adapted modules' merged weights (with k_proj, the
-    fused-qkv rule), and nothing goes through the filesystem."""
+    """Through the weight directory or a broadcast the adapters alone travel (A
+    and B of each adapted module, with their scaling); a broadcast sends nothing
+    through the filesystem."""
+    sent: list[BroadcastWeights] = []
+    receive = VLLMEngine._receive
+
+    async def recorded(self: VLLMEngine, source: BroadcastWeights) -> None:
+        sent.append(source)
+        await receive(self, source)
+
+    monkeypatch.setattr(VLLMEngine, "_receive", recorded)
     history = run(
         tmp_path,
         tiny_policy,
@@ -102,13 +112,16 @@ def test_lora_through_sao_serve_sends_only_the_adapters(
     _learned(tmp_path, tiny_policy, history)
     if transfer == "broadcast":
         assert not (tmp_path / "run" / "weights").exists()
-        return
-    newest = sorted((tmp_path / "run" / "weights").iterdir())[-1]
-    meta = json.loads((newest / "sao_weights.json").read_text())
+        assert len(sent) == len([r for r in history if "publish/sync_s" in r]) + 1  # + at start
+        names, adapter = list(sent[-1].state_dict), sent[-1].adapter
+    else:
+        newest = sorted((tmp_path / "run" / "weights").iterdir())[-1]
+        meta = json.loads((newest / "sao_weights.json").read_text())
+        names, adapter = meta["names"], meta["adapter"]
     # sao serve merges the factors itself: only A and B of the adapted modules travel
-    assert {n.rsplit(".", 2)[-2:][0] for n in meta["names"]} == {"q_proj", "v_proj", "down_proj"}
-    assert {n.rsplit(".", 1)[-1] for n in meta["names"]} == {"lora_A", "lora_B"}
-    assert set(meta["adapter"]["scaling"].values()) == {16 / 8}
+    assert {n.rsplit(".", 2)[-2:][0] for n in names} == {"q_proj", "v_proj", "down_proj"}
+    assert {n.rsplit(".", 1)[-1] for n in names} == {"lora_A", "lora_B"}
+    assert adapter is not None and set(adapter["scaling"].values()) == {16 / 8}
 
 
 def test_resume_refuses_an_adapter_of_another_base(tmp_path: Path, tiny_policy: Path) -> None:

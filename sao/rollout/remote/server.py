@@ -25,6 +25,11 @@ Routes (request and response fields as vLLM's OpenAI-compatible server):
   ``POST /update_weight_version``
   ``{"new_version": v}`` sets the version the next tokens carry;
   ``POST /reset_prefix_cache``.
+- ``POST /init_weight_transfer_engine`` (join the trainer's weight-transfer
+  group), ``POST /update_weights`` with ``update_info`` (names, dtype names,
+  shapes) and ``version``: receive one broadcast version; with ``adapter``
+  (scaling by module, ``fan_in_fan_out``) the tensors are LoRA factors, merged
+  as a weight directory's are.
 """
 
 from __future__ import annotations
@@ -245,7 +250,14 @@ class EngineServer:
             "cpu" if self._backend == "gloo" else self.engine.device,
         )
         version = int(body.get("version", self.engine.version))
-        await asyncio.to_thread(self.engine.load_weights, state, version)
+        adapter = body.get("adapter")
+        try:
+            if isinstance(adapter, dict):  # LoRA factors: the engine merges them
+                await asyncio.to_thread(self.engine.load_adapter, state, adapter, version)
+            else:
+                await asyncio.to_thread(self.engine.load_weights, state, version)
+        except (KeyError, ValueError) as err:
+            raise BadRequest(f"update_weights: {err}") from None
         return web.json_response({"success": True, "version": version})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:

@@ -168,8 +168,10 @@ class VLLMEngine(_HttpEngine):
         await self._ok("POST", "/init_weight_transfer_engine", {"init_info": info})
 
     async def _receive(self, source: BroadcastWeights) -> None:
-        info = describe(source.state_dict)
-        await self._ok("POST", "/update_weights", {"update_info": info, "version": source.version})
+        body: dict[str, Any] = {"update_info": describe(source.state_dict)}
+        if source.adapter is not None:  # LoRA factors (sao serve merges them)
+            body["adapter"] = dict(source.adapter)
+        await self._ok("POST", "/update_weights", body | {"version": source.version})
 
     async def update_weights(self, source: WeightSource) -> None:
         if isinstance(source, DiskWeights) and source.peft:
