@@ -39,6 +39,17 @@ class VLLMEngine(_HttpEngine):
     ``--worker-extension-cls sao.rollout.remote.vllm_worker.SaoWorkerExtension``, as
     ``rollout.launch`` does) instead of plain ``reload_weights``, whose CPU path
     leaves a tied LM head multiplying by the old embedding.
+
+    ``lora_adapters`` (``rollout.lora_sync=adapter``): a LoRA policy's update is
+    a peft adapter directory (:class:`DiskWeights` with ``peft``), loaded as a
+    new adapter named for its version (``/v1/load_lora_adapter``; the server
+    runs with ``--enable-lora`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``) while
+    requests go on; then the pause ends the in-flight requests and they are
+    submitted again naming the new adapter, as for a reload, so every token's
+    version is still the one its request named. The adapter before it stays
+    loaded (a request in transit at the pause may name it); older ones are
+    unloaded. No weight of the base model changes, so nothing is reloaded and
+    no separate prefix-cache reset runs (the pause clears the cache anyway).
     """
 
     kind = "vllm"
