@@ -94,6 +94,7 @@ class ValueModel(nn.Module):
             )
         self.value_head = value_head.to(device=backbone.device, dtype=torch.float32)
         self._trunks: list[_Trunk] | None = None  # set inside trunk_cache()
+        self._trunk_layers = 0  # frozen_trunk(), taken when trunk_cache() is entered
 
     def frozen_trunk(self) -> int:
         """How many bottom decoder layers are frozen whole, with the embeddings
@@ -119,7 +120,8 @@ class ValueModel(nn.Module):
         values are the same numbers (the top layers get the same input). Nothing
         is cached when no bottom layer is frozen, or when the layers do not
         return a plain tensor (then every forward runs whole)."""
-        if self.frozen_trunk() == 0:
+        self._trunk_layers = self.frozen_trunk()
+        if self._trunk_layers == 0:
             yield
             return
         self._trunks = []
@@ -143,7 +145,7 @@ class ValueModel(nn.Module):
             return run_backbone(self.backbone, tokens_BT, mask_BT, packed=packed)
         path, _ = layer_stack(self.backbone)
         stack = cast(nn.ModuleList, self.backbone.get_submodule(path))
-        n = self.frozen_trunk()
+        n = self._trunk_layers
         hit = self._cached_trunk(tokens_BT, mask_BT, packed)
         if hit is None:
             seen: list[object] = []
