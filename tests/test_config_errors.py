@@ -228,7 +228,15 @@ def test_bad_set_items(
         (["model.lora.dropout=0.1"], "model.lora.dropout: Value error, 0.1 is not supported"),
         (["model.lora.target_modules=[]"], "name at least one module"),
         (["model.lora.rank=0"], "model.lora.rank"),
-        (["model.lora.rank=4", "runtime.backend=ray"], "runtime.backend=local only"),
+        (
+            [
+                "model.lora.rank=4",
+                "runtime.backend=ray",
+                "rollout.engine=http",
+                "rollout.lora_sync=adapter",
+            ],
+            "with runtime.backend=ray the trainer ranks send",
+        ),
         (["model.lora.rank=4", "rollout.engine=sglang"], "rollout.engine=sglang"),
         (["rollout.lora_sync=adapter"], "model.lora is unset"),
         (["model.lora.rank=4", "rollout.lora_sync=adapter"], "rollout.engine=torch applies"),

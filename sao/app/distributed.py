@@ -70,7 +70,10 @@ def build_trainer_rank(cfg: Config, start_dir: Path | None, role: str) -> RankPa
     policy = None if role == "critic" else load_trained_policy(cfg, start_dir, device, dtype)
     critic = None
     if role != "actor":
-        critic = load_critic(cfg, start_dir, device, dtype, quiet=ranks.rank > 0)
+        # one process holds a LoRA actor's frozen base once for both models; sharded
+        # ranks do not (each model's parameters become its own shards)
+        share = policy if ranks.world_size == 1 else None
+        critic = load_critic(cfg, start_dir, device, dtype, quiet=ranks.rank > 0, share_with=share)
     trainer = Trainer(policy, critic, cfg.algo.resolve(), optim_settings(cfg), ranks)
     return RankParts(tokenizer, trainer, dtype)
 

@@ -129,7 +129,9 @@ def build_parts(
         raise ConfigError("training your own task needs model.path (a local checkpoint)")
     tokenizer = load_tokenizer(policy_path(cfg))
     if not models:
-        shell = policy_shell(start_dir / "policy" if start_dir else policy_path(cfg), dtype=dtype)
+        # (a LoRA checkpoint's policy/ is an adapter: the shell is its base)
+        saved = start_dir / "policy" if start_dir and cfg.model.lora is None else None
+        shell = policy_shell(saved or policy_path(cfg), dtype=dtype)
         sampling = sampling_params(cfg)
         return Parts(cfg, task, tokenizer, shell, None, None, sampling, build_limits(cfg), device)
     policy = load_trained_policy(cfg, start_dir, device, dtype)

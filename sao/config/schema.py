@@ -293,7 +293,7 @@ class RolloutConfig(_Section):
     merges them itself, vLLM loads them through its LoRA routes as a new adapter per version;
     launched vLLM servers get ``--enable-lora``), ``auto`` = adapter for `sao serve`, merged
     for vLLM (docs/lora.md says why). The embedded engine always applies merged modules
-    in place."""
+    in place; Ray trainer ranks (``runtime.backend=ray``) always send merged modules."""
     weight_transfer_address: str = "127.0.0.1"
     """Address the servers reach the trainer on for ``weight_transfer=broadcast``
     (backend=local; with backend=ray the trainer's rank 0 hosts the group at its node's
@@ -486,10 +486,12 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _lora_where_built(self) -> Config:
-        if self.runtime.backend == "ray" and (self.model.lora or self.model.critic_lora):
+        ray, adapter = self.runtime.backend == "ray", self.rollout.lora_sync == "adapter"
+        if ray and adapter and self.model.lora:
             raise ValueError(
-                "model.lora and model.critic_lora train with runtime.backend=local only (Ray "
-                "trainer ranks shard full models); unset them or use backend=local"
+                "rollout.lora_sync=adapter: with runtime.backend=ray the trainer ranks send "
+                "the adapted modules' merged weights; use lora_sync=auto or merged, or "
+                "backend=local"
             )
         if self.model.lora and self.rollout.engine == "sglang":
             raise ValueError(

@@ -118,11 +118,20 @@ class TrainerRank:
         return _floats(actor_update(self.trainer, trajectories, advantages))
 
     def weights(self) -> dict[str, torch.Tensor] | None:
-        """The full policy state dict on rank 0 (collective; None elsewhere)."""
+        """The full policy state dict on rank 0 (collective; None elsewhere); for a
+        LoRA policy, the adapted modules' merged weights only (and, for servers,
+        the siblings their fused layers need: :func:`~sao.models.lora.published_state`)."""
+        from sao.models.lora import has_lora, published_state
         from sao.train.sharded import full_state_dict
 
-        full = full_state_dict(self.trainer.policy)
-        return full if self.trainer.ranks.is_main else None
+        policy = self.trainer.policy
+        full = full_state_dict(policy)
+        if not self.trainer.ranks.is_main:
+            return None
+        if not has_lora(policy):
+            return full
+        fused = self.cfg.rollout.engine != "torch"
+        return dict(published_state(policy, fused=fused, state=full))
 
     # -------------------------------------------- broadcast to the servers (rank 0 sends)
 
@@ -188,7 +197,9 @@ class TrainerRank:
         from sao.train.sharded_checkpoint import save_pretrained_gathered
 
         trainer = self.trainer
-        save_pretrained_gathered(trainer.policy, Path(directory), trainer.ranks, dtype=self.dtype)
+        save_pretrained_gathered(
+            trainer.policy, Path(directory), trainer.ranks, dtype=self.dtype, export=True
+        )
         if trainer.ranks.is_main:
             self.tokenizer.save_pretrained(directory)
 

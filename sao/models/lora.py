@@ -55,7 +55,9 @@ __all__ = [
     "has_lora",
     "load_adapter",
     "merged_copy",
+    "merged_from_state",
     "merged_weights",
+    "plain_state",
     "published_state",
     "save_adapter",
     "save_policy",
@@ -247,6 +249,43 @@ def adapter_update(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str,
     return tensors, {"scaling": scaling, "fan_in_fan_out": fan_in_fan_out}
 
 
+def _delta(layer: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``(alpha / r) * B @ A`` of one adapted module from its factors, laid out as
+    its base weight (peft's ``get_delta_weight``)."""
+    delta = (b.float() @ a.float()) * float(layer.scaling[ADAPTER])
+    return delta.T if getattr(layer, "fan_in_fan_out", False) else delta
+
+
+@torch.no_grad()
+def merged_from_state(
+    model: nn.Module, state: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """:func:`merged_weights` computed from ``state``, a state dict of ``model``
+    under its own names (a sharded model's gathered one: ``model``'s own
+    parameters are shards, only its adapter layout and scalings are read)."""
+    out = {}
+    for name, layer in _adapted(model).items():
+        base = state[f"{name}.base_layer.weight"]
+        a = state[f"{name}.lora_A.{ADAPTER}.weight"]
+        b = state[f"{name}.lora_B.{ADAPTER}.weight"]
+        out[f"{name}.weight"] = (base.float() + _delta(layer, a, b)).to(base.dtype)
+    return out
+
+
+def plain_state(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's whole state dict from a LoRA ``model``'s ``state``: no
+    adapter tensors, ``base_layer`` names back to the plain ones, the adapted
+    weights merged (what :func:`merged_copy` holds, without a second model)."""
+    merged = merged_from_state(model, state)
+    out = {}
+    for key, value in state.items():
+        if ".lora_" in key:
+            continue
+        plain = key.replace(".base_layer.", ".")
+        out[plain] = merged.get(plain, value)
+    return out
+
+
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every merged adapted weight of ``model`` at once (:class:`MergedWeights`):
     what an engine holding the plain model needs to compute what ``model`` does."""
@@ -272,27 +311,31 @@ def merged_copy(model: nn.Module) -> nn.Module:
 
 
 def save_adapter(
-    model: nn.Module, directory: str | os.PathLike[str], base: str | Path | None = None
+    model: nn.Module,
+    directory: str | os.PathLike[str],
+    base: str | Path | None = None,
+    *,
+    state: Mapping[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``model``'s adapter in peft's format to ``directory`` atomically,
     ``base`` (default: the directory ``model`` was loaded from) recorded as
     ``base_model_name_or_path``; base parameters that train too (a critic's
-    final norm) go in ``trained_base.safetensors``."""
+    final norm) go in ``trained_base.safetensors``. ``state``: take the tensors
+    from this state dict of ``model`` (a sharded model's gathered one)."""
     from peft import get_peft_model_state_dict
 
     config: Any = copy.deepcopy(cast(Any, model).peft_config[ADAPTER])
     if base is None:
         base = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
     config.base_model_name_or_path = str(base)
-    state = get_peft_model_state_dict(model, adapter_name=ADAPTER)
-    extra = {
-        n: p.detach().cpu().contiguous()
-        for n, p in model.named_parameters()
-        if p.requires_grad and ".lora_" not in n
-    }
+    whole = dict(state) if state is not None else None
+    adapter = get_peft_model_state_dict(model, state_dict=whole, adapter_name=ADAPTER)
+    trained = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
+    values = whole if whole is not None else dict(model.named_parameters())
+    extra = {n: values[n].detach().cpu().contiguous() for n in trained}
     with atomic_dir(directory) as tmp:
         config.save_pretrained(str(tmp))
-        tensors = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in state.items()}
+        tensors = {PEFT_PREFIX + k: v.detach().cpu().contiguous() for k, v in adapter.items()}
         save_file(tensors, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
         if extra:
             save_file(extra, str(tmp / TRAINED_BASE), metadata={"format": "pt"})
@@ -366,18 +409,27 @@ a reload must bring every part of a fused layer or none."""
 
 
 @torch.no_grad()
-def published_state(model: nn.Module, *, fused: bool = False) -> Mapping[str, torch.Tensor]:
+def published_state(
+    model: nn.Module, *, fused: bool = False, state: Mapping[str, torch.Tensor] | None = None
+) -> Mapping[str, torch.Tensor]:
     """What an update sends the engines: the whole state dict, or for a LoRA
     model only its adapted modules' merged weights (:func:`merged_weights`).
     ``fused`` (a server that fuses projections): also the unadapted modules of
     each fused group with an adapted member (``k_proj`` beside adapted ``q_proj``
-    and ``v_proj``), so every fused layer it reloads is whole."""
+    and ``v_proj``), so every fused layer it reloads is whole. ``state``: compute
+    it from this state dict of ``model`` (a sharded model's gathered one)."""
     if not has_lora(model):
-        return model.state_dict()
-    if not fused:
+        return model.state_dict() if state is None else state
+    if state is not None:
+        out = merged_from_state(model, state)
+        state = {k.replace(".base_layer.", "."): v for k, v in state.items()}
+    elif not fused:
         return MergedWeights(model)
-    out = merged_weights(model)
-    state = model.state_dict()
+    else:
+        out = merged_weights(model)
+        state = model.state_dict()
+    if not fused:
+        return out
     for key in list(out):
         prefix, leaf = key.removesuffix(".weight").rsplit(".", 1)
         group = next((g for g in FUSED_GROUPS if leaf in g), frozenset())

@@ -47,7 +47,8 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from sao.models.cache import atomic_dir
-from sao.models.value import HEAD_CONFIG, HEAD_FILE, ValueModel
+from sao.models.lora import has_lora, plain_state, save_adapter
+from sao.models.value import HEAD_CONFIG, HEAD_FILE, LORA_DIR, ValueModel
 from sao.train.precision import MasterWeights
 from sao.train.sharded import RankContext, full_state_dict
 from sao.train.trainer import Trainer
@@ -241,9 +242,14 @@ def save_pretrained_gathered(
     ranks: RankContext,
     *,
     dtype: torch.dtype | None = None,
+    export: bool = False,
 ) -> Path:
     """Gather ``model`` (a policy or a :class:`ValueModel`, sharded or not)
-    and write it in Hugging Face format to one ``directory``, from rank 0.
+    and write it to one ``directory``, from rank 0, as the single-process
+    trainer writes it: in Hugging Face format, or for a LoRA policy its
+    adapter in peft's format (a LoRA critic: the adapter beside the head).
+    ``export``: a LoRA policy as ``final/`` holds it, the merged model plus
+    its adapter in ``adapter/`` (:func:`sao.models.lora.export_policy`).
 
     Collective: every rank calls it; rank 0 writes (atomically), the others
     wait. ``dtype`` casts floating tensors (FSDP2 trains bf16 models in float32
@@ -255,9 +261,16 @@ def save_pretrained_gathered(
             full = cast_floating(full, dtype)
         if isinstance(model, ValueModel):
             _save_value_model(model, full, path)
-        else:
+        elif not has_lora(model):
             with atomic_dir(path) as tmp:
                 cast(PreTrainedModel, model).save_pretrained(tmp, state_dict=full)
+        elif not export:
+            save_adapter(model, path, state=full)
+        else:
+            with atomic_dir(path) as tmp:
+                plain = plain_state(model, full)
+                cast(PreTrainedModel, model).save_pretrained(tmp, state_dict=plain)
+                save_adapter(model, tmp / "adapter", state=full)
     ranks.barrier()
     return path
 
@@ -273,7 +286,10 @@ def _save_value_model(critic: ValueModel, full: dict[str, torch.Tensor], path: P
         if k.startswith("value_head.")
     }
     with atomic_dir(path) as tmp:
-        critic.backbone.save_pretrained(tmp, state_dict=backbone)
+        if has_lora(critic.backbone):  # the adapter and the trained norm, as saved unsharded
+            save_adapter(critic.backbone, tmp / LORA_DIR, state=backbone)
+        else:
+            critic.backbone.save_pretrained(tmp, state_dict=backbone)
         save_file(head, str(tmp / HEAD_FILE))
         meta = {"hidden_size": critic.value_head.in_features, "dtype": "float32"}
         (tmp / HEAD_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")

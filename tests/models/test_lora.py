@@ -21,7 +21,9 @@ from sao.models.lora import (
     has_lora,
     load_adapter,
     merged_copy,
+    merged_from_state,
     merged_weights,
+    plain_state,
     published_state,
     save_adapter,
 )
@@ -145,6 +147,41 @@ def test_fused_publishing_completes_qkv_and_gate_up(tiny_llama: PreTrainedModel)
         fused[p0 + "self_attn.k_proj.weight"],
         tiny_llama.model.layers[0].self_attn.k_proj.weight,
     )
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_from_a_gathered_state_the_same_weights_as_from_the_model(
+    tmp_path: Path, arch: str
+) -> None:
+    """A sharded model's parameters are shards: the Ray trainer computes what an
+    update sends, what ``final/`` holds and the checkpoint's adapter from the
+    gathered state dict. Each is what the model's own functions give (GPT-2's
+    Conv1D: weights stored transposed, ``fan_in_fan_out``)."""
+    model = make_arch_model(arch)
+    add_lora(model, rank=2, alpha=4.0)
+    _randomize_b(model)
+    gathered = {k: v.clone() for k, v in model.state_dict().items()}
+    merged = merged_weights(model)
+    assert merged_from_state(model, gathered).keys() == merged.keys()
+    for key, value in merged_from_state(model, gathered).items():
+        torch.testing.assert_close(value, merged[key], rtol=0, atol=1e-6)
+    for fused in (False, True):
+        want, got = (
+            published_state(model, fused=fused),
+            published_state(model, fused=fused, state=gathered),
+        )
+        assert set(got) == set(want), fused
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6)
+    plain = merged_copy(model).state_dict()
+    whole = plain_state(model, gathered)
+    assert whole.keys() == plain.keys()
+    for key in plain:
+        torch.testing.assert_close(whole[key], plain[key], rtol=0, atol=1e-6)
+    save_adapter(model, tmp_path / "own")
+    save_adapter(model, tmp_path / "gathered", state=gathered)
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (tmp_path / "own" / name).read_bytes() == (tmp_path / "gathered" / name).read_bytes()
 
 
 def test_unknown_module_and_too_large_rank_are_errors_naming_what_exists(
