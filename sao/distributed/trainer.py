@@ -121,17 +121,10 @@ class TrainerRank:
         """The full policy state dict on rank 0 (collective; None elsewhere); for a
         LoRA policy, the adapted modules' merged weights only (and, for servers,
         the siblings their fused layers need: :func:`~sao.models.lora.published_state`)."""
-        from sao.models.lora import has_lora, published_state
-        from sao.train.sharded import full_state_dict
+        from sao.train.sharded_checkpoint import gathered_update
 
-        policy = self.trainer.policy
-        full = full_state_dict(policy)
-        if not self.trainer.ranks.is_main:
-            return None
-        if not has_lora(policy):
-            return full
         fused = self.cfg.rollout.engine != "torch"
-        return dict(published_state(policy, fused=fused, state=full))
+        return gathered_update(self.trainer.policy, self.trainer.ranks, fused=fused)
 
     # -------------------------------------------- broadcast to the servers (rank 0 sends)
 

@@ -1,5 +1,6 @@
-"""Sharded trainer checkpoints with ``torch.distributed.checkpoint`` (DCP), and
-the Hugging Face export gathered to one directory.
+"""Sharded trainer checkpoints with ``torch.distributed.checkpoint`` (DCP), the
+Hugging Face export gathered to one directory, and a weight update gathered
+to rank 0 (:func:`gathered_update`).
 
 :func:`save_sharded` / :func:`load_sharded` are collective (every rank calls
 them); each rank writes and reads only its shards, and DCP reshards on load,
@@ -47,13 +48,19 @@ from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
 from sao.models.cache import atomic_dir
-from sao.models.lora import has_lora, plain_state, save_adapter
+from sao.models.lora import has_lora, plain_state, published_state, save_adapter
 from sao.models.value import HEAD_CONFIG, HEAD_FILE, LORA_DIR, ValueModel
 from sao.train.precision import MasterWeights
 from sao.train.sharded import RankContext, full_state_dict
 from sao.train.trainer import Trainer
 
-__all__ = ["cast_floating", "load_sharded", "save_pretrained_gathered", "save_sharded"]
+__all__ = [
+    "cast_floating",
+    "gathered_update",
+    "load_sharded",
+    "save_pretrained_gathered",
+    "save_sharded",
+]
 
 StateDict = dict[str, Any]
 
@@ -234,6 +241,21 @@ def cast_floating(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[st
     """``state`` with its floating tensors in ``dtype`` (FSDP2 shards bf16 models
     in float32: this gives the gathered weights back the model's dtype)."""
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+
+
+def gathered_update(
+    policy: nn.Module, ranks: RankContext, *, fused: bool
+) -> dict[str, torch.Tensor] | None:
+    """What an update sends the engines, gathered from a sharded ``policy`` to
+    rank 0 (collective; None on the other ranks): the full state dict, or for
+    a LoRA policy its adapted modules' merged weights (``fused``: with the
+    siblings a server's fused layers need; :func:`~sao.models.lora.published_state`)."""
+    full = full_state_dict(policy)
+    if not ranks.is_main:
+        return None
+    if not has_lora(policy):
+        return full
+    return dict(published_state(policy, fused=fused, state=full))
 
 
 def save_pretrained_gathered(
