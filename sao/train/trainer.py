@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import torch
 from torch import nn
@@ -55,6 +55,14 @@ from sao.train.precision import (
 from sao.train.sharded import PolicyLogprobs, RankContext, clip_grad_norm
 from sao.train.split import worth_packing
 from sao.types import Batch, Trajectory, collate
+
+
+class _Stateful(Protocol):
+    """What a checkpoint saves of the trainer: an optimizer, a scheduler, a baseline..."""
+
+    def state_dict(self) -> Any: ...  # each part's own state type
+
+    def load_state_dict(self, state: Any) -> Any: ...
 
 
 @dataclass(frozen=True)
@@ -482,41 +490,33 @@ class Trainer:
             stats |= fit | self.gap | {"critic/actor_lambda_1": mc}
         return stats
 
+    def _stateful(self) -> dict[str, _Stateful | None]:
+        """Each part of the trainer's state by its checkpoint key (None: not in this run)."""
+        return {
+            "actor_master": self.actor_weights,
+            "critic_master": self.critic_weights,
+            "actor_optim": self.actor_optim,
+            "critic_optim": self.critic_optim,
+            "critic_sched": self.critic_sched,
+            "actor_sched": self.actor_sched,
+            "running_mean": self.running_mean,
+            "critic_fit": self.fit,
+        }
+
     def state_dict(self) -> dict[str, object]:
         """Optimizer, scheduler and baseline state (weights are saved separately)."""
-        critic_master = None if self.critic_weights is None else self.critic_weights.state_dict()
-        return {
-            "actor_master": None if self.actor_weights is None else self.actor_weights.state_dict(),
-            "critic_master": critic_master,
-            "actor_optim": None if self.actor_optim is None else self.actor_optim.state_dict(),
-            "critic_optim": None if self.critic_optim is None else self.critic_optim.state_dict(),
-            "critic_sched": None if self.critic_sched is None else self.critic_sched.state_dict(),
-            "actor_sched": None if self.actor_sched is None else self.actor_sched.state_dict(),
-            "running_mean": None if self.running_mean is None else self.running_mean.state_dict(),
-            "critic_fit": self.fit.state_dict(),
+        parts = self._stateful().items()
+        return {k: None if v is None else v.state_dict() for k, v in parts} | {
             "skipped_steps": self.skipped_steps,
             "skipped_per_model": dict(self.skipped),
         }
 
     def load_state_dict(self, state: dict[str, object]) -> None:
-        """Restore what :meth:`state_dict` saved."""
-        # masters: absent from checkpoints written before them (the loaded weights then seed them)
-        if self.actor_weights is not None and state.get("actor_master") is not None:
-            self.actor_weights.load_state_dict(state["actor_master"])  # type: ignore[arg-type]
-        if self.critic_weights is not None and state.get("critic_master") is not None:
-            self.critic_weights.load_state_dict(state["critic_master"])  # type: ignore[arg-type]
-        if self.actor_optim is not None and state.get("actor_optim") is not None:
-            self.actor_optim.load_state_dict(state["actor_optim"])  # type: ignore[arg-type]
-        if self.critic_optim is not None and state.get("critic_optim") is not None:
-            self.critic_optim.load_state_dict(state["critic_optim"])  # type: ignore[arg-type]
-        if self.critic_sched is not None and state.get("critic_sched") is not None:
-            self.critic_sched.load_state_dict(state["critic_sched"])  # type: ignore[arg-type]
-        if self.actor_sched is not None and state.get("actor_sched") is not None:
-            self.actor_sched.load_state_dict(state["actor_sched"])  # type: ignore[arg-type]
-        if self.running_mean is not None and state.get("running_mean") is not None:
-            self.running_mean.load_state_dict(state["running_mean"])  # type: ignore[arg-type]
-        if state.get("critic_fit") is not None:  # (absent from older checkpoints)
-            self.fit.load_state_dict(state["critic_fit"])  # type: ignore[arg-type]
+        """Restore what :meth:`state_dict` saved. A part absent from an older checkpoint
+        (the masters, the critic's fit) keeps its start: the loaded weights seed the masters."""
+        for key, part in self._stateful().items():
+            if part is not None and state.get(key) is not None:
+                part.load_state_dict(state[key])
         self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
         self.skipped |= state.get("skipped_per_model") or {}  # type: ignore[call-overload]
 
