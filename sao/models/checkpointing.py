@@ -16,8 +16,10 @@ opted in; the trainer keeps its models in ``eval()`` mode.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -41,14 +43,51 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return blocks
 
 
+def _attention_configs(layer: nn.Module) -> list[Any]:
+    """The distinct model configs the layer's modules read their attention
+    implementation from (``config._attn_implementation``, at each forward)."""
+    configs: dict[int, Any] = {}
+    for m in layer.modules():
+        config = getattr(m, "config", None)
+        if hasattr(config, "_attn_implementation"):
+            configs[id(config)] = config
+    return list(configs.values())
+
+
+@contextlib.contextmanager
+def _attention_as(configs: list[Any], impls: list[str | None]) -> Iterator[None]:
+    """While open, each of ``configs`` attends with the implementation in ``impls``."""
+    before = [c._attn_implementation for c in configs]
+    for c, impl in zip(configs, impls, strict=True):
+        c._attn_implementation = impl
+    try:
+        yield
+    finally:
+        for c, impl in zip(configs, before, strict=True):
+            c._attn_implementation = impl
+
+
 def _checkpointed_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     """The layer class's own forward, under checkpointing when gradients are on.
     Bound to the layer as a method, so a deep copy of the model (the embedded
-    engine's) rebinds it to the copy's own weights."""
+    engine's) rebinds it to the copy's own weights.
+
+    The recompute in the backward attends as the forward did: a packed forward
+    switches the attention implementation (``sao.models.packing``'s row-by-row
+    attention) only while it runs, and the backward comes after; recomputed with
+    the dense one, the packed rows would attend across each other."""
     forward = functools.partial(type(self).forward, self)
     if not torch.is_grad_enabled():
         return forward(*args, **kwargs)
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    configs = _attention_configs(self)
+    impls = [c._attn_implementation for c in configs]
+
+    def contexts() -> tuple[
+        contextlib.AbstractContextManager[Any], contextlib.AbstractContextManager[Any]
+    ]:
+        return contextlib.nullcontext(), _attention_as(configs, impls)
+
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
 def checkpoint_layers(model: nn.Module) -> int:

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sao.models.checkpointing import checkpoint_layers
+from sao.models.freeze import freeze_below
 from sao.models.logprobs import sequence_logprobs
 from sao.models.tiny import build_tiny_policy
 from sao.models.tokenization import build_char_tokenizer
@@ -99,3 +100,47 @@ def test_critic_values_unchanged() -> None:
 def test_a_model_without_layers_is_refused() -> None:
     with pytest.raises(ValueError, match="activation_checkpointing"):
         checkpoint_layers(nn.Linear(2, 2))
+
+
+def test_packed_rows_recompute_with_the_packed_attention() -> None:
+    """A packed forward (rows told apart by restarting position ids, attention row
+    by row) is recomputed in the backward with the same attention, after the
+    packed forward's context has closed: the gradients are the padded forward's
+    (a recompute with dense attention would let rows attend across each other)."""
+    plain = _policy()
+    ckpt = copy.deepcopy(plain)
+    checkpoint_layers(ckpt)
+    tokens, mask = _batch(plain.config.vocab_size)
+    weights = torch.linspace(-1, 1, tokens.shape[1])
+    grads = []
+    for model, packed in ((plain, False), (ckpt, True)):
+        model.zero_grad(set_to_none=True)
+        logp = sequence_logprobs(model, tokens, mask, packed=packed)  # type: ignore[arg-type]
+        (logp * weights).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    want, got = grads
+    assert want.keys() == got.keys() and len(want) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_packed_critic_with_a_cached_frozen_trunk() -> None:
+    """SAO's cheap critic as a run trains it: its top layer alone trained, the frozen
+    trunk cached across the K updates of a batch, packed rows, checkpointed layers.
+    Each update's gradients are the plain padded critic's."""
+    plain = ValueModel(_policy().model, None)
+    freeze_below(plain, 1)
+    ckpt = copy.deepcopy(plain)
+    checkpoint_layers(ckpt)
+    tokens, mask = _batch(plain.backbone.config.vocab_size)
+    plain(tokens, mask).sum().backward()
+    want = {n: p.grad.clone() for n, p in plain.named_parameters() if p.grad is not None}
+    assert len(want) > 2  # the top layer's trained weights and the head
+    with ckpt.trunk_cache():
+        for _ in range(2):  # the first runs the trunk, the second replays it
+            ckpt.zero_grad(set_to_none=True)
+            ckpt(tokens, mask, packed=True).sum().backward()
+            got = {n: p.grad for n, p in ckpt.named_parameters() if p.grad is not None}
+            assert got.keys() == want.keys()
+            for name in want:
+                torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6)
