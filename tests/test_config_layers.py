@@ -76,3 +76,17 @@ def test_sao_config_says_what_it_dropped(capsys: pytest.CaptureFixture[str]) -> 
     assert "algo.group_size=4" in err and "'sao'" in err
     assert main(["config", "--preset", "smollm2-arith"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_qwen_presets_differ_from_smollm2s_where_they_say() -> None:
+    # qwen-guess is smollm2-guess's task on the second family: same task and rollout
+    # budget, its own model, bfloat16 weights (float32 masters), a lower LR and
+    # activation checkpointing; its SAO preset trains the critic's top 4 layers.
+    qwen, smol = load_config("qwen-guess"), load_config("smollm2-guess")
+    assert qwen.task == smol.task and qwen.rollout == smol.rollout
+    assert (qwen.model.path, qwen.model.dtype) == ("qwen2.5-coder-0.5b", "bfloat16")
+    assert (qwen.train.actor_lr, qwen.train.activation_checkpointing) == (5e-6, True)
+    sao = load_config("qwen-guess-sao")
+    algo = sao.algo.resolve()
+    assert (algo.name, algo.critic_train_layers, algo.critic_pretrain_steps) == ("sao", 4, 4)
+    assert (sao.train.steps, sao.train.batch_size, sao.model) == (26, 16, qwen.model)

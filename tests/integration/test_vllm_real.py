@@ -94,6 +94,26 @@ def trainer_logprobs(
     return logp_1S[0, len(prompt) :]
 
 
+def embedded_replies(
+    model: PreTrainedModel,
+    tok: PreTrainedTokenizerBase,
+    prompts: Sequence[Sequence[int]],
+    sampling: SamplingParams,
+) -> list[list[int]]:
+    """The embedded engine's reply tokens to each of ``prompts`` (the reference for
+    vLLM's greedy replies)."""
+
+    async def go() -> list[list[int]]:
+        engine = TorchEngine(model, max_batch_size=4, max_seq_len=512, tokenizer=tok)
+        try:
+            outs = await asyncio.gather(*(engine.generate(p, sampling) for p in prompts))
+        finally:
+            await engine.aclose()
+        return [list(c.token_ids) for c in outs]
+
+    return asyncio.run(go())
+
+
 def max_gap(
     model: PreTrainedModel,
     prompts: Sequence[Sequence[int]],
@@ -139,16 +159,7 @@ def test_vllm_serves_the_real_checkpoint_and_its_weight_updates(
         for t, s in ((1.0, 1), (0.7, 2))
     ]
     greedy = SamplingParams(top_k=1, max_new_tokens=32, stop_token_ids=stop)
-
-    async def embedded_greedy() -> list[list[int]]:
-        engine = TorchEngine(policy, max_batch_size=4, max_seq_len=512, tokenizer=tok)
-        try:
-            outs = await asyncio.gather(*(engine.generate(p, greedy) for p in prompts))
-        finally:
-            await engine.aclose()
-        return [list(c.token_ids) for c in outs]
-
-    reference_greedy = asyncio.run(embedded_greedy())
+    reference_greedy = embedded_replies(policy, tok, prompts, greedy)
     gaps: dict[str, float] = {}
 
     async def go() -> None:
