@@ -85,7 +85,7 @@ def test_the_qwen_presets_differ_from_smollm2s_where_they_say() -> None:
     qwen, smol = load_config("qwen-guess"), load_config("smollm2-guess")
     assert qwen.task == smol.task and qwen.rollout == smol.rollout
     assert (qwen.model.path, qwen.model.dtype) == ("qwen2.5-coder-0.5b", "bfloat16")
-    assert (qwen.train.actor_lr, qwen.train.activation_checkpointing) == (5e-6, True)
+    assert (qwen.train.actor_lr, qwen.train.activation_checkpointing) == (1e-6, True)
     sao = load_config("qwen-guess-sao")
     algo = sao.algo.resolve()
     assert (algo.name, algo.critic_train_layers, algo.critic_pretrain_steps) == ("sao", 4, 4)

@@ -206,16 +206,17 @@ PRESETS["qwen-guess"] = {
     # master weights and AdamW moments: this CPU multiplies bfloat16 with AMX, and an SAO
     # actor step took 40-44 s against float32's 142-152 s (peak 16.0 GiB against 16.8;
     # trainer-engine log-prob gap 0.15 at most against 1.4e-5, inside SAO's DIS band;
-    # BENCHMARKS.md). Actor LR 5e-6 after a 5-step warm-up: 2e-5 broke the `answer` format
-    # of the arithmetic task in one update. Not yet an LR that learns: at 5e-6 SAO fell
-    # from 0.53 to 0.09 held out in seed 0 and GRPO's batch reward to ~0 (BENCHMARKS.md);
-    # `sao experiment qwen-guess` measures 1e-6 (arms sao_lr1e-6, grpo_lr1e-6).
+    # BENCHMARKS.md). Actor LR 1e-6 after a 5-step warm-up (verl's 0.5B PPO actor LR): 2e-5
+    # broke the `answer` format of the arithmetic task in one update, and at 5e-6 both
+    # algorithms lost this task in seed 0 (SAO 0.53 -> 0.09 held out, empty replies; GRPO's
+    # batch reward ~0 with refusals); at 1e-6 SAO went 0.55 -> 0.62 and GRPO 0.56 -> 0.56
+    # (`sao experiment qwen-guess`, BENCHMARKS.md).
     **{k: v for k, v in PRESETS["smollm2-guess"].items() if k not in ("model", "train")},
     "model": {"path": "qwen2.5-coder-0.5b", "dtype": "bfloat16"},
     "train": {
         "steps": 30,
         "batch_size": 16,
-        "actor_lr": 5e-6,
+        "actor_lr": 1e-6,
         "actor_lr_warmup_steps": 5,
         "activation_checkpointing": True,
     },
