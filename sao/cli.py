@@ -133,7 +133,7 @@ def _check(args: argparse.Namespace) -> int:
         ) as (engine, _):
             report = await check_logprobs(engine, p.policy, p.tokenizer, envs, p.sampling, p.limits)
         budget = budget_for(cfg, p.policy, args.budget, training=False)
-        print(f"{cfg.rollout.engine} engine: {report.summary()} (budget {budget:g})")
+        print(f"{cfg.rollout.engine} engine: {report.summary()} (budget: {budget})")
         report.check(budget)
         return 0
 
@@ -411,7 +411,7 @@ def parser() -> argparse.ArgumentParser:
         "--budget",
         type=float,
         default=None,
-        help="max |delta logp| (default: by dtype, 1e-4 float32, 0.5 bfloat16)",
+        help="max |delta logp| (default: by dtype, 1e-4 float32; bfloat16: max 2 and k3 KL 0.01)",
     )
     _add_config_args(p)
     p.set_defaults(func=_check)

@@ -228,5 +228,5 @@ def test_check_takes_at_most_the_held_out_set(
     assert main([*argv, "--episodes", "50"]) == 0
     out = capsys.readouterr().out
     (report,) = [x for x in out.splitlines() if x.startswith("torch engine: ")]
-    assert report.endswith(" in 2 episodes (budget 0.0001)"), out  # float32: 1e-4
+    assert report.endswith(" in 2 episodes (budget: max 0.0001)"), out  # float32: 1e-4
     assert "--episodes 0: use 1 or more" in fails(capsys, [*argv, "--episodes", "0"])

@@ -26,7 +26,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from sao.config import Config
 from sao.models.cache import sao_home
 from sao.models.lora import adapter_update, engine_model, has_lora, published_state, save_adapter
-from sao.rollout.check import logprob_budget
+from sao.rollout.check import LogprobBudget, logprob_budget
 from sao.rollout.embedded.engine import DEFAULT_MAX_SEQ_LEN_CAP, TorchEngine
 from sao.rollout.engine import Engine
 from sao.rollout.remote.collective import WeightGroup
@@ -202,11 +202,12 @@ def weight_dtypes(cfg: Config, policy: PreTrainedModel) -> tuple[torch.dtype, to
 
 def budget_for(
     cfg: Config, policy: PreTrainedModel, chosen: float | None, *, training: bool
-) -> float:
-    """The log-prob budget ``chosen`` (``train.logprob_budget``, ``sao check --budget``),
-    or when None the budget of the trainer's and the engine's weight dtypes."""
+) -> LogprobBudget:
+    """The log-prob budget ``chosen`` (``train.logprob_budget``, ``sao check --budget``:
+    a max |delta logp|), or when None the budget of the trainer's and the engine's
+    weight dtypes."""
     if chosen is not None:
-        return chosen
+        return LogprobBudget(chosen)
     return logprob_budget(*weight_dtypes(cfg, policy), training=training)
 
 

@@ -344,8 +344,9 @@ class TrainConfig(_Section):
     or update (each such update is skipped: the weights stay the last good ones)."""
     logprob_budget: NonNegativeFloat | None = None
     """Max |trainer - engine| log-prob gap allowed by the pre-training check (0 disables).
-    None: the budget of the dtypes, 1e-3 when trainer and engine both hold float32 weights,
-    0.5 when either holds bfloat16 (``sao.rollout.check.LOGPROB_BUDGETS``)."""
+    None: the budget of the dtypes, 1e-3 when trainer and engine both hold float32 weights;
+    when either holds bfloat16, a k3 KL of at most 0.01 and a max of 2, since bfloat16's
+    max gap depends on the CPU's kernels (``sao.rollout.check.LOGPROB_BUDGETS``)."""
     activation_checkpointing: bool = False
     """Keep only each decoder layer's input for the backward and recompute the layer's
     activations there (policy and critic): the largest training micro-batch's activations

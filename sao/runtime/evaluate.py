@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from sao.runtime.runner import EpisodeRunner, samples
 
 if TYPE_CHECKING:
+    from sao.rollout.check import LogprobBudget
     from sao.rollout.engine import Engine
     from sao.runtime.trainers import TrainerHandle
 from sao.types import FAILURES, SamplingParams, Trajectory
@@ -98,7 +99,7 @@ def reported_means(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 async def logprob_gate(
-    budget: float,
+    budget: LogprobBudget,
     sampling: SamplingParams,
     handle: TrainerHandle,
     runner: EpisodeRunner,
@@ -107,8 +108,8 @@ async def logprob_gate(
 ) -> None:
     """Refuse to train when the engine's log-probabilities and the trainer's
     differ by more than ``budget`` (``train.logprob_budget``) on up to 4
-    held-out episodes (0 skips the check)."""
-    if budget <= 0:
+    held-out episodes (a max of 0 skips the check)."""
+    if budget.max_abs_delta <= 0:
         return
     played = await asyncio.gather(
         *(

@@ -41,7 +41,7 @@ pytestmark = [
     ),
 ]
 FP32_BUDGET = 1e-4
-BF16_BUDGET = 0.5  # sao.rollout.check.LOGPROB_BUDGETS for a bfloat16 engine copy
+BF16_MAX = 0.5  # measured 0.019; its default budget is max 2 and k3 KL 0.01
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +67,7 @@ def test_import_keeps_biases_the_untied_head_and_chatml(model_dir: Path) -> None
 
 
 @pytest.mark.parametrize(
-    ("engine_dtype", "budget"), [("model", FP32_BUDGET), ("bfloat16", BF16_BUDGET)]
+    ("engine_dtype", "budget"), [("model", FP32_BUDGET), ("bfloat16", BF16_MAX)]
 )
 def test_sao_check(
     model_dir: Path, engine_dtype: str, budget: float, capsys: pytest.CaptureFixture[str]
@@ -77,7 +77,8 @@ def test_sao_check(
         "--set", "rollout.max_batch_size=8", "--set", "rollout.max_new_tokens=32",
         "--set", f"rollout.engine_dtype={engine_dtype}",
     ]  # fmt: skip
-    code = main(["check", "--episodes", "8", "--budget", str(budget), *sets])
+    default = ["--budget", str(budget)] if engine_dtype == "model" else []  # bf16: the KL
+    code = main(["check", "--episodes", "8", *default, *sets])
     out = capsys.readouterr().out
     found = re.search(r"max \|delta logp\| = (\S+),.* over (\d+) action tokens", out)
     assert code == 0 and found, out

@@ -33,6 +33,7 @@ from sao.models.gguf import import_gguf
 from sao.models.loading import load_config as load_model_config
 from sao.models.loading import load_policy, load_tokenizer
 from sao.rollout.agent import EpisodeLimits, run_episode
+from sao.rollout.check import LOGPROB_BUDGETS, LogprobReport
 from sao.rollout.embedded.engine import TorchEngine
 from sao.types import SamplingParams
 
@@ -44,7 +45,7 @@ pytestmark = [
     ),
 ]
 FP32_BUDGET = 1e-4  # measured 2e-5 on 362 action tokens
-BF16_BUDGET = 0.5  # the bf16 recipe's train.logprob_budget (recipes/qwen3-0.6b-math.toml)
+BF16_KL = LOGPROB_BUDGETS["bfloat16"][0].k3_kl  # measured 1.3e-3 and 2.3e-3 (two CPUs)
 PROBLEMS = [(7, 5), (2, 3), (9, 4), (6, 8), (1, 1), (3, 4), (5, 5), (8, 2)]
 
 
@@ -136,32 +137,36 @@ def test_greedy_answer_to_7_plus_5_in_the_engine_and_in_transformers(model_dir: 
 
 
 def sao_check(
-    model_dir: Path, data: Path, dtype: str, budget: float, capsys: pytest.CaptureFixture[str]
-) -> tuple[float, int]:
-    """``sao check`` on 8 episodes of 48-token replies: (max |delta logp|, tokens)."""
+    model_dir: Path, data: Path, dtype: str, capsys: pytest.CaptureFixture[str]
+) -> LogprobReport:
+    """``sao check`` at the dtype's default budget on 8 episodes of 48-token replies."""
     sets = [*task_sets(model_dir, data, dtype), "rollout.max_new_tokens=48"]
     sets += ["task.options.instruction=Explain step by step."]  # longer replies
-    code = main(
-        ["check", "--episodes", "8", "--budget", str(budget)]
-        + [x for s in sets for x in ("--set", s)]
-    )
+    code = main(["check", "--episodes", "8"] + [x for s in sets for x in ("--set", s)])
     out = capsys.readouterr().out
-    found = re.search(r"max \|delta logp\| = (\S+),.* over (\d+) action tokens", out)
+    num = r"(\S+?),? "
+    found = re.search(
+        rf"max \|delta logp\| = {num}mean = {num}k3 KL = {num}over (\d+) action tokens", out
+    )
     assert code == 0 and found, out
-    report_line(capsys, f"sao check {dtype}: {found.group(0)} (budget {budget:g})")
-    return float(found.group(1)), int(found.group(2))
+    report_line(capsys, f"sao check {dtype}: {found.group(0)}")
+    return LogprobReport(*map(float, found.groups()[:3]), int(found.group(4)), 8)
 
 
 def test_sao_check_float32(model_dir: Path, data: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    delta, tokens = sao_check(model_dir, data, "float32", FP32_BUDGET, capsys)
-    assert tokens >= 100 and delta <= FP32_BUDGET
+    report = sao_check(model_dir, data, "float32", capsys)
+    assert report.num_tokens >= 100 and report.max_abs_delta <= FP32_BUDGET
 
 
 def test_sao_check_bfloat16(
     model_dir: Path, data: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    delta, tokens = sao_check(model_dir, data, "bfloat16", BF16_BUDGET, capsys)
-    assert tokens >= 100 and delta <= BF16_BUDGET
+    # the gate is the k3 KL: the max depends on the CPU (0.22 on an Intel Xeon with AMX,
+    # 0.72 on the CI machine's CPU), the mean and the KL much less
+    report = sao_check(model_dir, data, "bfloat16", capsys)
+    assert report.num_tokens >= 100 and report.k3_kl <= BF16_KL
+    assert report.mean_abs_delta <= 0.1  # measured 0.030 and 0.040: far from float32's 1e-6
+    assert report.mean_abs_delta > 1e-3  # the trainer really ran in bfloat16
 
 
 # ---------------------------------------------------------------- SAO steps
