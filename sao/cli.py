@@ -438,7 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
     except _user_errors() as e:  # evaluated only once something was raised
         print(f"sao: error: {_one_line(e)}", file=sys.stderr)
-        return 2
+        return int(getattr(e, "exit_code", 2))  # MemoryBusy: 75, try again later
     except _stopped_errors() as e:
         print(f"sao: stopped: {_one_line(e)}", file=sys.stderr)
         return 1

@@ -30,6 +30,7 @@ ALLOWED: dict[str, dict[str, str]] = {
     },
     "experiments": {
         "app": "the warm starts' cache paths, built once before the arms' subprocesses",
+        "runtime": "--jobs N: the runs' memory protocol and their processes' resident memory",
         "rundir": "",
         "envs": "style_shift's default schedule names the report's phases",
         "config": "",

@@ -48,9 +48,9 @@ from sao.config import Config, ConfigError
 from sao.envs.base import Task
 from sao.rollout.chat import encode_first_observation, validate_observation
 from sao.rollout.envthread import EnvCalls
-from sao.runtime.memory import GIB, process_tree_rss
+from sao.runtime.memory import GIB, MEMORY_BUSY_EXIT, process_tree_rss
 
-__all__ = ["MemoryEstimate", "check_memory", "estimate_peak", "longest_episode"]
+__all__ = ["MemoryBusy", "MemoryEstimate", "check_memory", "estimate_peak", "longest_episode"]
 
 LOGIT_CHUNK = 1024
 """Positions per checkpointed chunk of the trainer's LM head (``sao.models.logprobs``)."""
@@ -221,16 +221,34 @@ _LEVERS = {
 }
 
 
-def check_memory(estimate: MemoryEstimate, available: float | None, *, enforce: bool) -> str:
+class MemoryBusy(ConfigError):
+    """The run fits the machine alone, but not beside the runs that ``sao experiment
+    --jobs`` started before it: the runner starts it again when one of them ends."""
+
+    exit_code = MEMORY_BUSY_EXIT
+
+
+def check_memory(
+    estimate: MemoryEstimate, available: float | None, *, enforce: bool, reserved: float = 0.0
+) -> str:
     """The estimate's line (with the memory available); a ConfigError naming the
     keys that lower the largest owners when it exceeds what is available (and
-    ``enforce``, ``train.memory_check``)."""
+    ``enforce``, ``train.memory_check``); :class:`MemoryBusy` when it fits only
+    without the ``reserved`` bytes that the runs beside it will still claim."""
     line = estimate.describe()
     if available is None or not math.isfinite(available):
         return line
     line += f"; {available / GIB:.1f} GiB available"
-    if estimate.total <= available or not enforce:
+    if reserved > 0:
+        line += f", {reserved / GIB:.1f} GiB of it claimed by the runs beside this one"
+    if estimate.total <= available - reserved or not enforce:
         return line
+    if estimate.total <= available:
+        raise MemoryBusy(
+            f"this run is expected to need {estimate.total / GIB:.1f} GiB at its peak: "
+            f"{available / GIB:.1f} GiB are available, but the runs beside it will still "
+            f"claim {reserved / GIB:.1f} GiB of them; it waits until one of them ends"
+        )
     owners = sorted((k for k in estimate.parts if _LEVERS[k]), key=lambda k: -estimate.parts[k])
     levers = [f"{k} ({estimate.parts[k] / GIB:.2f} GiB): {_LEVERS[k]}" for k in owners]
     raise ConfigError(

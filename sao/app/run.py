@@ -48,7 +48,13 @@ from sao.rundir.model_card import export_final
 from sao.runtime.admission import JustInTime
 from sao.runtime.buffer import TrajectoryBuffer
 from sao.runtime.evaluate import evaluate, logprob_gate
-from sao.runtime.memory import GIB, MemoryMeter, process_tree_rss
+from sao.runtime.memory import (
+    GIB,
+    MemoryMeter,
+    process_tree_rss,
+    publish_expected_peak,
+    reserved_bytes,
+)
 from sao.runtime.orchestrator import Orchestrator, Report, RolloutState
 from sao.runtime.runner import EpisodeRunner, LocalRunner
 from sao.runtime.staleness import StalenessGate
@@ -100,6 +106,8 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
     try:
         parts = build_parts(cfg, ckpt, task, models=cfg.runtime.backend == "local")
         meter.expected_gib = _memory_check(parts, runtime)
+        expected = meter.expected_gib if parts.device.type == "cpu" else None  # host memory
+        publish_expected_peak(None if expected is None else expected * GIB)  # for --jobs N
     except BaseException:
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -120,7 +128,8 @@ def _memory_check(p: Parts, runtime: int) -> float | None:
         prompt = asyncio.run(longest_prompt(p.task, p.tokenizer, p.limits.reset_timeout_s))
     estimate = estimate_peak(p, prompt, runtime)
     available = available_bytes(p.device)
-    print(check_memory(estimate, available, enforce=p.cfg.train.memory_check))
+    reserved = reserved_bytes() if p.device.type == "cpu" else 0.0  # sao experiment --jobs
+    print(check_memory(estimate, available, enforce=p.cfg.train.memory_check, reserved=reserved))
     return estimate.total / GIB
 
 

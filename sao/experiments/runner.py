@@ -12,6 +12,11 @@ code version (:func:`code_version`) are appended to
 ``RUN_DIR/experiment_attempts.jsonl``; its output goes to
 ``DIR/logs/ARM/seed-S.log``. Tiny warm-started policies the runs need are built
 first, one process per policy, so that two runs never build the same one.
+
+With ``--jobs N``, runs that would not fit in memory together do not run
+together: each run says its expected peak once it has loaded its models, a run
+started beside others learns what they will still claim, and one that fits
+only alone waits for one of them to end (:func:`_pool`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,12 @@ from typing import Literal
 
 from sao.config import ConfigError, load_config
 from sao.experiments.grid import Experiment, Run, claim_dir, plan
+from sao.runtime.memory import (
+    ESTIMATE_FILE_ENV,
+    MEMORY_BUSY_EXIT,
+    RESERVED_ENV,
+    process_tree_rss,
+)
 
 Status = Literal["done", "resume", "fresh"]
 
@@ -85,13 +96,44 @@ class _Job:
     log: Path
     done: Callable[[int, float], str] | None = None
     """Called with the exit status and seconds; returns a note for the progress line."""
+    peak_file: Path | None = None
+    """Where the job (a ``sao train`` run) writes its expected peak memory; None: a
+    job that claims no reservation (its memory is whatever it holds)."""
 
     def finish(self, rc: int, seconds: float) -> str:
         return self.done(rc, seconds) if self.done is not None else ""
 
 
+PEAK_WAIT_S = 600.0
+"""How long a new job waits for a running one to say its expected peak (a run
+built by older code never does); past that, the running one reserves nothing."""
+
+
+def _reserved(running: Sequence[tuple[_Job, subprocess.Popen[bytes], float]]) -> int | None:
+    """Host bytes the running jobs will still claim: each one's expected peak less
+    what its processes hold now; None while one has not yet said its peak."""
+    total = 0
+    for job, proc, t0 in running:
+        if job.peak_file is None:
+            continue
+        try:
+            said = job.peak_file.read_text().strip()
+        except FileNotFoundError:
+            if time.perf_counter() - t0 < PEAK_WAIT_S:
+                return None
+            continue
+        if said != "unknown":
+            total += max(0, int(said) - sum(process_tree_rss(proc.pid)))
+    return total
+
+
 def _pool(jobs: Sequence[_Job], n: int, echo: Callable[[str], None]) -> list[str]:
     """Run ``jobs``, ``n`` at a time; returns the labels of those that failed.
+
+    Beside running jobs, a job starts only once each of them has said its expected
+    peak memory, and learns what they will still claim (``sao.runtime.memory``);
+    one that fits alone but not beside them exits with ``MEMORY_BUSY_EXIT`` and
+    goes back to the front of the queue, and no job starts until one ends.
 
     On an interrupt (Ctrl-C, or SIGTERM to this process) the running ones get
     SIGINT (a run stops as on Ctrl-C, keeping its last complete checkpoint), then
@@ -102,19 +144,27 @@ def _pool(jobs: Sequence[_Job], n: int, echo: Callable[[str], None]) -> list[str
     todo = list(jobs)
     running: list[tuple[_Job, subprocess.Popen[bytes], float]] = []
     failed: list[str] = []
+    busy = False  # a job waits for memory: start none until a running one ends
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _sigterm) if main else None  # stop runs too
     try:
         while todo or running:
-            while todo and len(running) < n:
+            while todo and len(running) < n and not busy:
+                reserved = _reserved(running)
+                if reserved is None:  # a running job has not said its peak yet
+                    break
                 job = todo.pop(0)
                 job.log.parent.mkdir(parents=True, exist_ok=True)
+                job_env = env | {RESERVED_ENV: str(reserved)}
+                if job.peak_file is not None:
+                    job.peak_file.unlink(missing_ok=True)  # a former attempt's
+                    job_env[ESTIMATE_FILE_ENV] = str(job.peak_file)
                 out = job.log.open("a")
                 proc = subprocess.Popen(
                     job.cmd,
                     stdout=out,
                     stderr=subprocess.STDOUT,
-                    env=env,
+                    env=job_env,
                     # a shell's background jobs ignore SIGINT; the runs must not
                     preexec_fn=_default_sigint,
                 )
@@ -127,6 +177,12 @@ def _pool(jobs: Sequence[_Job], n: int, echo: Callable[[str], None]) -> list[str
                 if rc is None:
                     continue
                 running.remove(item)
+                if rc == MEMORY_BUSY_EXIT:
+                    echo(f"{job.label}: waits for memory, until a run beside it ends")
+                    todo.insert(0, job)
+                    busy = bool(running)
+                    continue
+                busy = False
                 seconds = time.perf_counter() - t0
                 note = job.finish(rc, seconds)
                 verdict = "done" if rc == 0 else f"FAILED (exit {rc}, log {job.log})"
@@ -251,7 +307,8 @@ def run_experiment(
             shutil.rmtree(run.run_dir)  # an attempt that stopped before its first checkpoint
         label = f"{run.label} ({'resumed' if how == 'resume' else 'started'})"
         done = _attempt_recorder(run, how, code, keep_checkpoints)
-        pending.append(_Job(label, command(exp, run, how), run.log, done))
+        peak = run.log.with_suffix(".peak")
+        pending.append(_Job(label, command(exp, run, how), run.log, done, peak))
     kept = len(runs) - len(pending)
     echo(
         f"experiment {exp.name}: {len(runs)} runs, {kept} already finished, "

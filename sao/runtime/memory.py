@@ -42,9 +42,45 @@ import resource
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["MemoryMeter", "give_back_freed", "heap_live", "process_tree_rss"]
+__all__ = [
+    "ESTIMATE_FILE_ENV",
+    "MEMORY_BUSY_EXIT",
+    "RESERVED_ENV",
+    "MemoryMeter",
+    "give_back_freed",
+    "heap_live",
+    "process_tree_rss",
+    "publish_expected_peak",
+    "reserved_bytes",
+]
 
 GIB = float(2**30)
+
+# How `sao experiment --jobs N` keeps runs that would not fit together apart: each
+# run writes its expected peak (host bytes) to the file ESTIMATE_FILE_ENV names; a
+# run started beside others gets in RESERVED_ENV the bytes they will still claim
+# (expected peak minus what they hold now), and a run that would fit alone but
+# not beside them exits with MEMORY_BUSY_EXIT; the runner starts it again when
+# one of them ends.
+ESTIMATE_FILE_ENV = "SAO_EXPECTED_PEAK_FILE"
+RESERVED_ENV = "SAO_MEMORY_RESERVED"
+MEMORY_BUSY_EXIT = 75  # EX_TEMPFAIL: try again later
+
+
+def reserved_bytes() -> float:
+    """The host memory the runs beside this one will still claim (RESERVED_ENV)."""
+    return float(os.environ.get(RESERVED_ENV) or 0)
+
+
+def publish_expected_peak(total_bytes: float | None) -> None:
+    """Write this run's expected peak host memory (None: unknown) where
+    ESTIMATE_FILE_ENV says, written then renamed; nothing when it is unset."""
+    path = os.environ.get(ESTIMATE_FILE_ENV)
+    if not path:
+        return
+    tmp = Path(path + ".tmp")
+    tmp.write_text("unknown" if total_bytes is None else str(int(total_bytes)))
+    tmp.replace(path)
 
 
 class _Mallinfo2(ctypes.Structure):
