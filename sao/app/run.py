@@ -106,8 +106,6 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
     try:
         parts = build_parts(cfg, ckpt, task, models=cfg.runtime.backend == "local")
         meter.expected_gib = _memory_check(parts, runtime)
-        expected = meter.expected_gib if parts.device.type == "cpu" else None  # host memory
-        publish_expected_peak(None if expected is None else expected * GIB)  # for --jobs N
     except BaseException:
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -120,8 +118,10 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
 def _memory_check(p: Parts, runtime: int) -> float | None:
     """Print the run's expected peak memory by owner and return it (GiB); refuse
     (ConfigError) a run that would not fit (``train.memory_check``). Local trainers
-    only (None otherwise): Ray ranks hold their models in processes of their own."""
+    only (None otherwise): Ray ranks hold their models in processes of their own.
+    The host peak is also published for ``sao experiment --jobs`` (None: unknown)."""
     if p.cfg.runtime.backend != "local":
+        publish_expected_peak(None)
         return None
     prompt = None  # an agent's prompts come from its own code
     if not isinstance(p.task, AgentTask):
@@ -130,6 +130,7 @@ def _memory_check(p: Parts, runtime: int) -> float | None:
     available = available_bytes(p.device)
     reserved = reserved_bytes() if p.device.type == "cpu" else 0.0  # sao experiment --jobs
     print(check_memory(estimate, available, enforce=p.cfg.train.memory_check, reserved=reserved))
+    publish_expected_peak(estimate.total if p.device.type == "cpu" else None)
     return estimate.total / GIB
 
 

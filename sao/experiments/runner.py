@@ -127,6 +127,25 @@ def _reserved(running: Sequence[tuple[_Job, subprocess.Popen[bytes], float]]) ->
     return total
 
 
+def _start(job: _Job, env: dict[str, str], reserved: int) -> subprocess.Popen[bytes]:
+    """Start ``job``, its output appended to its log, told the ``reserved`` bytes
+    the jobs beside it will still claim and where to say its own peak."""
+    job.log.parent.mkdir(parents=True, exist_ok=True)
+    env = env | {RESERVED_ENV: str(reserved)}
+    if job.peak_file is not None:
+        job.peak_file.unlink(missing_ok=True)  # a former attempt's
+        env[ESTIMATE_FILE_ENV] = str(job.peak_file)
+    with job.log.open("a") as out:
+        return subprocess.Popen(
+            job.cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            # a shell's background jobs ignore SIGINT; the runs must not
+            preexec_fn=_default_sigint,
+        )
+
+
 def _pool(jobs: Sequence[_Job], n: int, echo: Callable[[str], None]) -> list[str]:
     """Run ``jobs``, ``n`` at a time; returns the labels of those that failed.
 
@@ -154,22 +173,7 @@ def _pool(jobs: Sequence[_Job], n: int, echo: Callable[[str], None]) -> list[str
                 if reserved is None:  # a running job has not said its peak yet
                     break
                 job = todo.pop(0)
-                job.log.parent.mkdir(parents=True, exist_ok=True)
-                job_env = env | {RESERVED_ENV: str(reserved)}
-                if job.peak_file is not None:
-                    job.peak_file.unlink(missing_ok=True)  # a former attempt's
-                    job_env[ESTIMATE_FILE_ENV] = str(job.peak_file)
-                out = job.log.open("a")
-                proc = subprocess.Popen(
-                    job.cmd,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=job_env,
-                    # a shell's background jobs ignore SIGINT; the runs must not
-                    preexec_fn=_default_sigint,
-                )
-                out.close()
-                running.append((job, proc, time.perf_counter()))
+                running.append((job, _start(job, env, reserved), time.perf_counter()))
             time.sleep(0.2)
             for item in list(running):
                 job, proc, t0 = item
