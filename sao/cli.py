@@ -287,6 +287,7 @@ def _experiment(args: argparse.Namespace) -> int:
         overrides=args.set,
         arms=arms,
         keep_checkpoints=args.keep_checkpoints,
+        earlier=Path(args.earlier) if args.earlier else None,
     )
     if failed:
         print(f"sao: {len(failed)} runs failed: {'; '.join(failed)}", file=sys.stderr)
@@ -363,6 +364,13 @@ def _add_experiment(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         action="store_true",
         help="keep a finished run's checkpoints (by default only its final/ model and logs "
         "stay: a SmolLM2 SAO run's last checkpoint is 2.9 GB)",
+    )
+    p.add_argument(
+        "--earlier",
+        metavar="SRC",
+        help="carry the finished runs of another copy of this experiment's report (SRC holds "
+        "its experiment.json and runs.jsonl or results.csv, e.g. a copy made on another "
+        "machine) into --dir first; they are reported and not run again",
     )
     p.add_argument("--report", metavar="DIR", help="rebuild the report of DIR from its runs")
     p.add_argument("--list", action="store_true", help="list the named experiments")

@@ -23,6 +23,8 @@ Layout of a results directory ``DIR`` (default ``experiments/NAME``)::
     DIR/runs/ARM/seed-S/              `sao train --set seed=S --set log.run_dir=...`
     DIR/logs/ARM/seed-S.log           its stdout and stderr
     DIR/results.csv results.md *.png  the report (sao.experiments.report)
+    DIR/runs.jsonl                    the report's runs, curves included
+    DIR/earlier.jsonl                 runs carried from another copy (sao.experiments.earlier)
 
 Running (:mod:`sao.experiments.runner`) resumes: a run whose ``summary.json``
 exists is kept, one with a checkpoint is continued (``sao train --resume``),
@@ -289,15 +291,7 @@ def claim_dir(exp: Experiment, exp_dir: Path, overrides: Sequence[str]) -> None:
                 f"{str(exp_dir)!r} holds experiment {old.get('name')!r}, not {exp.name!r}; "
                 "pick another --dir"
             )
-        was, now = old.get("definition", {}), exp.to_dict()
-        what = [k for k in ("preset", "base") if was.get(k) != now[k]]
-        what += [
-            f"arm {arm!r}"
-            for arm, sets in was.get("arms", {}).items()
-            if arm in exp.arms and list(exp.arms[arm]) != sets
-        ]
-        what += ["overrides"] if old.get("overrides") != list(overrides) else []
-        if what:
+        if what := made_otherwise(old, exp, overrides):
             raise ConfigError(
                 f"{str(exp_dir)!r} holds experiment {exp.name!r} run with another "
                 f"{', '.join(what)} (overrides there: {old.get('overrides')}); its runs "
@@ -312,6 +306,23 @@ def claim_dir(exp: Experiment, exp_dir: Path, overrides: Sequence[str]) -> None:
         )
     exp_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(meta, indent=2) + "\n")
+
+
+def made_otherwise(
+    meta: Mapping[str, object], exp: Experiment, overrides: Sequence[str]
+) -> list[str]:
+    """What of an ``experiment.json``'s ``meta`` says its runs were made otherwise
+    than ``exp``'s with ``overrides`` would be: ``preset``, ``base``, ``overrides``,
+    ``arm 'NAME'`` (each arm both define); [] when they were made alike."""
+    was, now = meta.get("definition", {}), exp.to_dict()
+    assert isinstance(was, dict)
+    what = [k for k in ("preset", "base") if was.get(k) != now[k]]
+    what += [
+        f"arm {arm!r}"
+        for arm, sets in was.get("arms", {}).items()
+        if arm in exp.arms and list(exp.arms[arm]) != sets
+    ]
+    return what + (["overrides"] if meta.get("overrides") != list(overrides) else [])
 
 
 def load_meta(exp_dir: Path) -> dict[str, object]:

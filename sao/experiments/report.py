@@ -1,5 +1,7 @@
-"""The report of an experiment directory, rebuilt from its run directories
-only: ``results.csv`` (one row per run), ``results.md`` (per arm: mean ± std
+"""The report of an experiment directory, rebuilt from its run directories and
+the runs it carries from elsewhere (:mod:`sao.experiments.earlier`) only:
+``results.csv`` (one row per run), ``runs.jsonl`` (each run's numbers and
+curves, what another copy carries), ``results.md`` (per arm: mean ± std
 and a 95% t-interval over seeds) and plots (held-out success, training reward
 and, when the runs have a critic, its explained variance against actor step,
 one line per arm with a min-max band across seeds).
@@ -9,6 +11,7 @@ Layout read here (written by :mod:`sao.experiments.grid`)::
     DIR/experiment.json              name and definition (claim, arms, overrides)
     DIR/runs/ARM/seed-S/             a ``sao train`` run directory each
         config.yaml metrics.jsonl summary.json experiment_attempts.jsonl
+    DIR/earlier.jsonl                runs carried from another copy (``--earlier``)
 
 Only finished runs (those with ``summary.json``) are reported; others are
 counted as incomplete. Everything written is a function of those files, so
@@ -29,6 +32,7 @@ import yaml
 
 from sao.config import validate
 from sao.experiments.claims import Outcome, claims_md
+from sao.experiments.earlier import EARLIER_FILE, RUNS_FILE, earlier_runs, write_runs
 from sao.experiments.grid import Experiment
 from sao.experiments.results import (
     Paired,
@@ -174,15 +178,22 @@ def write_report(exp_dir: Path) -> list[Path]:
     meta = json.loads((exp_dir / "experiment.json").read_text())
     exp = Experiment.from_dict(meta["definition"])
     runs, unfinished = scan_runs(exp_dir, list(exp.arms), min(exp.marks, default=None))
-    written = [exp_dir / "results.csv", exp_dir / "results.md"]
+    here = {(r.arm, r.seed) for r in runs}
+    carried = [
+        r for r in earlier_runs(exp_dir) if r.arm in exp.arms and (r.arm, r.seed) not in here
+    ]
+    order = list(exp.arms)
+    runs = sorted([*runs, *carried], key=lambda r: (order.index(r.arm), r.seed))
+    write_runs(exp_dir / RUNS_FILE, runs)
+    written = [exp_dir / "results.csv", exp_dir / "results.md", exp_dir / RUNS_FILE]
     written[0].write_text(results_csv(runs, exp.marks))
     plots = write_plots(runs, exp, exp_dir)
     if seeds := write_seed_plot(runs, exp, exp_dir):
         plots.append(seeds)
     if style := write_style_plot(runs, exp, exp_dir, _schedule(exp_dir, runs)):
         plots.append(style)
-    md = results_md(exp, list(meta.get("overrides", [])), runs, unfinished, exp_dir, plots)
-    written[1].write_text(md)
+    overrides = list(meta.get("overrides", []))
+    written[1].write_text(results_md(exp, overrides, runs, unfinished, exp_dir, plots, carried))
     return written + plots
 
 
@@ -199,12 +210,11 @@ def results_csv(runs: Sequence[RunResult], marks: Sequence[int] = ()) -> str:
 def _schedule(exp_dir: Path, runs: Sequence[RunResult]) -> list[str]:
     """The style preferred in each phase between switches, from a run's config
     (style_shift's ``schedule`` option or its default); [] for other tasks."""
-    if not runs:
+    configs = (exp_dir / "runs" / r.arm / f"seed-{r.seed}" / "config.yaml" for r in runs)
+    path = next((p for p in configs if p.is_file()), None)
+    if path is None:
         return []
-    r = runs[0]
-    cfg = validate(
-        yaml.safe_load((exp_dir / "runs" / r.arm / f"seed-{r.seed}" / "config.yaml").read_text())
-    )
+    cfg = validate(yaml.safe_load(path.read_text()))
     if cfg.task.name != "style_shift":
         return []
     from sao.envs.style.shift import DEFAULT_SCHEDULE
@@ -254,8 +264,10 @@ def results_md(
     unfinished: Sequence[Path],
     exp_dir: Path,
     plots: Sequence[Path],
+    carried: Sequence[RunResult] = (),
 ) -> str:
-    """The Markdown report: claim, comparison, per-arm table, arms' overrides, plots."""
+    """The Markdown report: claim, comparison, per-arm table, arms' overrides, the
+    runs ``carried`` from elsewhere, plots."""
     out = [f"# Experiment `{exp.name}`", "", "Claim tested:", ""]
     out += ["> " + line for line in exp.claim.splitlines()] + [""]
     if not runs:
@@ -271,7 +283,7 @@ def results_md(
         out += ["", *paired_md(exp, runs)]
     out += ["", *recovery_md(exp, runs)] if exp.marks else []
     out += _overrides_md(exp, overrides)
-    out += code_md(runs)
+    out += code_md(runs) + carried_md(carried)
     if unfinished:
         names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
         out += ["", f"Unfinished runs, not included: {names}."]
@@ -376,6 +388,31 @@ def _overrides_md(exp: Experiment, overrides: Sequence[str]) -> list[str]:
         + (f", then this directory's `--set` {code(overrides)}" if overrides else "")
         + ". Per run: [results.csv](results.csv); run directories under `runs/ARM/seed-S`.",
     ]
+
+
+def carried_md(carried: Sequence[RunResult]) -> list[str]:
+    """The report's line on runs carried from another copy ([] if none)."""
+    if not carried:
+        return []
+
+    def which(runs: Sequence[RunResult]) -> str:
+        arms = dict.fromkeys(r.arm for r in runs)
+        return "; ".join(
+            f"`{a}` seed{'s' * (sum(r.arm == a for r in runs) > 1)} "
+            + ", ".join(str(r.seed) for r in runs if r.arm == a)
+            for a in arms
+        )
+
+    bare = [r for r in carried if not r.curves]
+    text = (
+        f"Carried from another copy of this experiment ({EARLIER_FILE}; no run directory "
+        f"here): {which(carried)}."
+    )
+    if len(bare) == len(carried):
+        text += " Numbers only, absent from the plots (read from a results.csv)."
+    elif bare:
+        text += f" Numbers only, absent from the plots (read from a results.csv): {which(bare)}."
+    return ["", text]
 
 
 def code_md(runs: Sequence[RunResult]) -> list[str]:

@@ -1,7 +1,8 @@
 """Running an experiment: every run of its plan as a ``sao train`` subprocess,
 ``--jobs`` at a time, each in its own run directory, then the report.
 
-Resumable: a run whose ``summary.json`` exists is kept, a run directory with a
+Resumable: a run whose ``summary.json`` exists is kept (so is one carried from
+another copy of the experiment, :mod:`sao.experiments.earlier`), a run directory with a
 complete checkpoint is continued with ``sao train --resume RUN_DIR``, any other
 is started afresh (a directory left by an attempt that stopped before its first
 checkpoint is removed first). A run that finishes loses its ``checkpoints/``
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import Literal
 
 from sao.config import ConfigError, load_config
+from sao.experiments.earlier import EARLIER_FILE, carry, earlier_runs
 from sao.experiments.grid import Experiment, Run, claim_dir, plan
 from sao.runtime.memory import (
     ESTIMATE_FILE_ENV,
@@ -283,16 +285,25 @@ def run_experiment(
     overrides: Sequence[str] = (),
     arms: Sequence[str] | None = None,
     keep_checkpoints: bool = False,
+    earlier: Path | None = None,
     echo: Callable[[str], None] = print,
 ) -> list[str]:
     """Run (or resume) every run of ``exp`` in ``exp_dir``, ``jobs`` at a time,
     then write the report; returns the labels of runs that failed. A run that
-    finishes loses its checkpoints unless ``keep_checkpoints``."""
+    finishes loses its checkpoints unless ``keep_checkpoints``. ``earlier``: a
+    report directory whose runs are carried in first (:func:`carry`); a run
+    carried, now or before, is not run again unless ``exp_dir`` has a directory
+    for it."""
     if jobs < 1:
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     runs = plan(exp, exp_dir, seeds=seeds, overrides=overrides, arms=arms)
     claim_dir(exp, exp_dir, overrides)
-    todo = [(run, how) for run in runs if (how := status(run)) != "done"]
+    if earlier is not None:
+        got = carry(exp, exp_dir, earlier, overrides)
+        echo(f"carried {len(got)} finished runs from {earlier} into {exp_dir / EARLIER_FILE}")
+    carried = {(r.arm, r.seed) for r in earlier_runs(exp_dir)}
+    elsewhere = [r for r in runs if (r.arm, r.seed) in carried and not r.run_dir.exists()]
+    todo = [(run, how) for run in runs if run not in elsewhere and (how := status(run)) != "done"]
     warm = warm_start_commands(exp, [run for run, _ in todo])
     if warm:
         echo(f"building {len(warm)} warm-started policies first (once; then cached)")
@@ -314,15 +325,17 @@ def run_experiment(
         peak = run.log.with_suffix(".peak")
         pending.append(_Job(label, command(exp, run, how), run.log, done, peak))
     kept = len(runs) - len(pending)
+    there = f" ({len(elsewhere)} of them elsewhere, carried)" if elsewhere else ""
     echo(
-        f"experiment {exp.name}: {len(runs)} runs, {kept} already finished, "
+        f"experiment {exp.name}: {len(runs)} runs, {kept} already finished{there}, "
         f"{len(pending)} to run, {jobs} at a time, in {exp_dir}"
     )
     failed = _pool(pending, jobs, echo)
     from sao.experiments.report import write_report
 
     written = write_report(exp_dir)
-    echo(f"report: {', '.join(str(p) for p in written[:2])} and {len(written) - 2} plots")
+    plots = sum(p.suffix == ".png" for p in written)
+    echo(f"report: {', '.join(str(p) for p in written[:2])} and {plots} plots")
     from sao.experiments.claims import verdicts_md
 
     echo("\n".join(["", *verdicts_md([exp_dir])]))

@@ -1,6 +1,7 @@
 """``sao experiment``: the interval arithmetic by hand, bad input, and a tiny
 grid (2 arms x 2 seeds x 2 steps) that runs, resumes, and whose report is
-rebuilt byte for byte from its run directories."""
+rebuilt byte for byte from its run directories, and from a copy of the report
+alone on another machine."""
 
 from __future__ import annotations
 
@@ -327,3 +328,21 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
         (out / name).unlink()
     assert main(["experiment", "--report", str(out)]) == 0
     assert report() == before
+
+    # another machine: a copy of the report alone (no run directory) carries every run,
+    # curves included, into a fresh directory; nothing runs again, the same report
+    copy, fresh = tmp_path / "copy", tmp_path / "fresh"
+    copy.mkdir()
+    for name in ("experiment.json", "results.csv", "runs.jsonl"):
+        (copy / name).write_bytes((out / name).read_bytes())
+    assert main([*args[:3], "--dir", str(fresh), "--seeds", "2", "--earlier", str(copy)]) == 0
+    assert "4 runs, 4 already finished (4 of them elsewhere, carried), 0 to run" in (
+        capsys.readouterr().out
+    )
+    assert not (fresh / "runs").exists()
+    again = {p.name: p.read_bytes() for p in fresh.iterdir() if p.suffix in (".csv", ".png")}
+    assert again == {k: v for k, v in before.items() if not k.endswith(".md")}
+    assert (fresh / "runs.jsonl").read_bytes() == (out / "runs.jsonl").read_bytes()
+    md = (fresh / "results.md").read_text()
+    assert "Carried from another copy of this experiment (earlier.jsonl; no run directory " in md
+    assert "| `sao` - `grpo` | 2 |" in md
