@@ -124,3 +124,28 @@ def carry(exp: Experiment, exp_dir: Path, src: Path, overrides: Sequence[str]) -
     kept = [r for r in earlier_runs(exp_dir) if (r.arm, r.seed) not in new]
     write_runs(exp_dir / EARLIER_FILE, [*kept, *runs])
     return runs
+
+
+def carried_md(carried: Sequence[RunResult]) -> list[str]:
+    """The report's line on runs carried from another copy ([] if none)."""
+    if not carried:
+        return []
+
+    def which(runs: Sequence[RunResult]) -> str:
+        arms = dict.fromkeys(r.arm for r in runs)
+        return "; ".join(
+            f"`{a}` seed{'s' * (sum(r.arm == a for r in runs) > 1)} "
+            + ", ".join(str(r.seed) for r in runs if r.arm == a)
+            for a in arms
+        )
+
+    bare = [r for r in carried if not r.curves]
+    text = (
+        f"Carried from another copy of this experiment ({EARLIER_FILE}; no run directory "
+        f"here): {which(carried)}."
+    )
+    if len(bare) == len(carried):
+        text += " Numbers only, absent from the plots (read from a results.csv)."
+    elif bare:
+        text += f" Numbers only, absent from the plots (read from a results.csv): {which(bare)}."
+    return ["", text]

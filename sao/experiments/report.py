@@ -32,7 +32,7 @@ import yaml
 
 from sao.config import validate
 from sao.experiments.claims import Outcome, claims_md
-from sao.experiments.earlier import EARLIER_FILE, RUNS_FILE, earlier_runs, write_runs
+from sao.experiments.earlier import RUNS_FILE, carried_md, earlier_runs, write_runs
 from sao.experiments.grid import Experiment
 from sao.experiments.results import (
     Paired,
@@ -388,31 +388,6 @@ def _overrides_md(exp: Experiment, overrides: Sequence[str]) -> list[str]:
         + (f", then this directory's `--set` {code(overrides)}" if overrides else "")
         + ". Per run: [results.csv](results.csv); run directories under `runs/ARM/seed-S`.",
     ]
-
-
-def carried_md(carried: Sequence[RunResult]) -> list[str]:
-    """The report's line on runs carried from another copy ([] if none)."""
-    if not carried:
-        return []
-
-    def which(runs: Sequence[RunResult]) -> str:
-        arms = dict.fromkeys(r.arm for r in runs)
-        return "; ".join(
-            f"`{a}` seed{'s' * (sum(r.arm == a for r in runs) > 1)} "
-            + ", ".join(str(r.seed) for r in runs if r.arm == a)
-            for a in arms
-        )
-
-    bare = [r for r in carried if not r.curves]
-    text = (
-        f"Carried from another copy of this experiment ({EARLIER_FILE}; no run directory "
-        f"here): {which(carried)}."
-    )
-    if len(bare) == len(carried):
-        text += " Numbers only, absent from the plots (read from a results.csv)."
-    elif bare:
-        text += f" Numbers only, absent from the plots (read from a results.csv): {which(bare)}."
-    return ["", text]
 
 
 def code_md(runs: Sequence[RunResult]) -> list[str]:
