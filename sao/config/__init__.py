@@ -1,10 +1,11 @@
 """The typed configuration of ``sao train``: the sections
-(:mod:`~sao.config.schema`), resolving and validating them
+(:mod:`~sao.config.schema`; ``model`` in :mod:`~sao.config.model`), resolving and validating them
 (:mod:`~sao.config.resolve`), TOML/YAML files and ``--set`` overrides
 (:mod:`~sao.config.sources`), named presets (:mod:`~sao.config.presets`) and
 the generated reference (:mod:`~sao.config.reference`). It imports only
 :mod:`sao.algo` and pydantic."""
 
+from sao.config.model import LoraSettings, ModelConfig
 from sao.config.presets import PRESETS
 from sao.config.resolve import load_config, to_dict, validate
 from sao.config.schema import (
@@ -12,8 +13,6 @@ from sao.config.schema import (
     Config,
     EvalConfig,
     LogConfig,
-    LoraSettings,
-    ModelConfig,
     RolloutConfig,
     RuntimeConfig,
     TaskConfig,

@@ -33,7 +33,7 @@ def reference_markdown() -> str:
     out = [
         "# Configuration reference",
         "",
-        "Generated from `sao/config/schema.py` by `sao config --reference`; do not edit.",
+        "Generated from the field docs in `sao/config/` by `sao config --reference`; do not edit.",
         "",
         "Settings are resolved in this order, later ones winning: a named preset",
         f"(`--preset`, one of {', '.join(f'`{n}`' for n in PRESETS)}; default `calc-tiny`),",
