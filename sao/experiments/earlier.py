@@ -144,8 +144,9 @@ def carried_md(carried: Sequence[RunResult]) -> list[str]:
         f"Carried from another copy of this experiment ({EARLIER_FILE}; no run directory "
         f"here): {which(carried)}."
     )
+    only = "Numbers only (read from a results.csv: no curves, staleness or code version)"
     if len(bare) == len(carried):
-        text += " Numbers only, absent from the plots (read from a results.csv)."
+        text += f" {only}, absent from the plots."
     elif bare:
-        text += f" Numbers only, absent from the plots (read from a results.csv): {which(bare)}."
+        text += f" {only}, absent from the plots: {which(bare)}."
     return ["", text]

@@ -283,7 +283,7 @@ def results_md(
         out += ["", *paired_md(exp, runs)]
     out += ["", *recovery_md(exp, runs)] if exp.marks else []
     out += _overrides_md(exp, overrides)
-    out += code_md(runs) + carried_md(carried)
+    out += code_md([r for r in runs if r.curves]) + carried_md(carried)  # (curves: a record)
     if unfinished:
         names = ", ".join(f"`{p.relative_to(exp_dir)}`" for p in unfinished)
         out += ["", f"Unfinished runs, not included: {names}."]

@@ -106,7 +106,8 @@ def test_a_report_of_carried_runs_alone(tmp_path: Path) -> None:
         [a, str(s)] for a in ("sao", "grpo") for s in range(4)
     ]
     md = (dst / "results.md").read_text()
-    assert "Numbers only, absent from the plots (read from a results.csv): `sao` seed 3; " in md
+    assert "staleness or code version), absent from the plots: `sao` seed 3; `grpo` seed 3" in md
+    assert "Code: every run ran `sao 0.1.0 + git abc`." in md  # those that recorded one
 
     # carrying the same runs again replaces them, it does not add a second copy
     carry(EXP, dst, src, [])
