@@ -29,8 +29,6 @@ verdict, and its summary counts them (:func:`summary`).
 
 from __future__ import annotations
 
-import csv
-import io
 import json
 import math
 import re
@@ -39,7 +37,8 @@ from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
 
-from sao.experiments.results import Paired, Stats, sign_test
+from sao.experiments.earlier import runs_of_csv
+from sao.experiments.results import Paired, RunResult, Stats, sign_test
 
 MEASURES = ("final", "best", "collapse")
 ALPHA = 0.05
@@ -199,18 +198,15 @@ class Outcome:
     best: float
     collapsed: bool
 
+    @classmethod
+    def of(cls, run: RunResult) -> Outcome:
+        return cls(run.arm, run.seed, run.final_success, run.best_success,
+                   run.collapse_step is not None)  # fmt: skip
+
 
 def outcomes_csv(text: str) -> list[Outcome]:
     """The outcomes of a report's ``results.csv``."""
-
-    def num(x: str) -> float:
-        return float(x) if x else math.nan
-
-    return [
-        Outcome(r["arm"], int(r["seed"]), num(r["final_success"]), num(r["best_success"]),
-                bool(r["collapse_step"]))
-        for r in csv.DictReader(io.StringIO(text))
-    ]  # fmt: skip
+    return [Outcome.of(r) for r in runs_of_csv(text)]
 
 
 def values(outcomes: Sequence[Outcome], measure: str) -> dict[str, dict[int, float]]:

@@ -274,10 +274,7 @@ def results_md(
         return "\n".join([*out, "No finished runs yet.", ""])
     out += _arms_table(exp, runs)
     if exp.claims:
-        outcomes = [
-            Outcome(r.arm, r.seed, r.final_success, r.best_success, r.collapse_step is not None)
-            for r in runs
-        ]
+        outcomes = [Outcome.of(r) for r in runs]
         out += ["", *claims_md(exp.claims, outcomes)]
     else:
         out += ["", *paired_md(exp, runs)]

@@ -276,6 +276,23 @@ def _attempt_recorder(
     return done
 
 
+def _elsewhere(
+    exp: Experiment,
+    exp_dir: Path,
+    runs: Sequence[Run],
+    earlier: Path | None,
+    overrides: Sequence[str],
+    echo: Callable[[str], None],
+) -> list[Run]:
+    """Carry ``earlier``'s runs in (when given); the runs of ``runs`` finished
+    elsewhere, carried now or before, with no directory of their own here."""
+    if earlier is not None:
+        got = carry(exp, exp_dir, earlier, overrides)
+        echo(f"carried {len(got)} finished runs from {earlier} into {exp_dir / EARLIER_FILE}")
+    carried = {(r.arm, r.seed) for r in earlier_runs(exp_dir)}
+    return [r for r in runs if (r.arm, r.seed) in carried and not r.run_dir.exists()]
+
+
 def run_experiment(
     exp: Experiment,
     exp_dir: Path,
@@ -298,11 +315,7 @@ def run_experiment(
         raise ConfigError(f"--jobs must be >= 1, got {jobs}")
     runs = plan(exp, exp_dir, seeds=seeds, overrides=overrides, arms=arms)
     claim_dir(exp, exp_dir, overrides)
-    if earlier is not None:
-        got = carry(exp, exp_dir, earlier, overrides)
-        echo(f"carried {len(got)} finished runs from {earlier} into {exp_dir / EARLIER_FILE}")
-    carried = {(r.arm, r.seed) for r in earlier_runs(exp_dir)}
-    elsewhere = [r for r in runs if (r.arm, r.seed) in carried and not r.run_dir.exists()]
+    elsewhere = _elsewhere(exp, exp_dir, runs, earlier, overrides, echo)
     todo = [(run, how) for run in runs if run not in elsewhere and (how := status(run)) != "done"]
     warm = warm_start_commands(exp, [run for run, _ in todo])
     if warm:
