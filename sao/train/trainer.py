@@ -19,6 +19,7 @@ the step is the same code on one rank or many (sao/train/sharded.py)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal, Protocol
@@ -155,6 +156,7 @@ class Trainer:
     def step(self, trajectories: Sequence[Trajectory], *, train_actor: bool = True) -> Stats:
         """One actor step (or a critic-only warm-up step) on finished trajectories."""
         self.begin_step()
+        t0 = time.perf_counter()
         batch = self.prepare(trajectories)
         stats: Stats = {}
         # a critic whose bottom layers are frozen (algo.critic_train_layers) runs them once
@@ -174,8 +176,11 @@ class Trainer:
                         targets = self.targets(batch, values, None, before_update=False)
             else:
                 targets = self.targets(batch, self.values(batch), self.running_mean)
+        t1 = time.perf_counter()
         if train_actor and targets is not None:
             stats |= self.update_actor(batch, targets.advantages_BT)
+        # where the step's time went (each phase ends on a host sync: `_apply`'s counts)
+        stats |= _seconds({"time/critic_s": t1 - t0, "time/actor_s": time.perf_counter() - t1})
         patience = self.algo.critic_pretrain_patience
         if not train_actor and patience is not None:  # value pretraining until its plateau
             done = float(self.fit.plateaued(patience))
@@ -533,6 +538,10 @@ def _last_action_index(action_mask_BT: torch.Tensor) -> torch.Tensor:
     T = action_mask_BT.shape[1]
     pos = torch.arange(T, device=action_mask_BT.device).expand_as(action_mask_BT)
     return torch.where(action_mask_BT, pos, -1).max(dim=1).values
+
+
+def _seconds(times: dict[str, float]) -> Stats:
+    return {k: torch.tensor(v) for k, v in times.items()}
 
 
 def to_cpu(stats: Stats) -> Stats:

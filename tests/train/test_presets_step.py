@@ -77,6 +77,7 @@ def test_preset_step_prefers_rewarded_actions(name: str, lora: bool) -> None:
         assert all(
             math.isfinite(float(v)) or k.endswith("explained_variance") for k, v in stats.items()
         )
+        assert float(stats["time/critic_s"]) >= 0 and float(stats["time/actor_s"]) > 0
     after = logp_of(model, A) - logp_of(model, B)
     # the running-mean baseline has no history at its first step (advantage 0), then learns
     assert after > before + 0.5, (name, before, after)
