@@ -21,6 +21,7 @@ steps of its own model in a row.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -42,6 +43,7 @@ class CriticPending:
     values_BT: torch.Tensor | None
     stats: Stats = field(default_factory=dict)
     updated: bool = False  # the K critic steps already ran (advantages_after_critic_update)
+    started: float = field(default_factory=time.perf_counter)  # (time/critic_s)
 
 
 def critic_targets(
@@ -49,7 +51,7 @@ def critic_targets(
 ) -> tuple[torch.Tensor | None, CriticPending]:
     """The critic group's first half: the actor's advantages (CPU, ``[B, T]``;
     None when the values were NaN/inf, so nothing trains) and what the update needs."""
-    trainer.begin_step()
+    trainer.bad.begin_step()
     batch = trainer.prepare(trajectories)
     values_BT = trainer.values(batch)
     targets = trainer.targets(batch, values_BT, trainer.running_mean)
@@ -72,7 +74,8 @@ def critic_update(trainer: Trainer, pending: CriticPending) -> Stats:
     stats = pending.stats
     if not pending.updated and pending.targets is not None:
         stats = _update(trainer, pending)
-    trainer.end_step()
+    trainer.bad.end_step()
+    stats["time/critic_s"] = trainer.since(pending.started)
     return to_cpu(stats | trainer.batch_stats(pending.batch, pending.targets))
 
 
@@ -80,10 +83,12 @@ def actor_update(
     trainer: Trainer, trajectories: Sequence[Trajectory], advantages_BT: torch.Tensor
 ) -> Stats:
     """The actor group's step on the critic group's advantages."""
-    trainer.begin_step()
+    trainer.bad.begin_step()
+    t0 = time.perf_counter()
     batch = trainer.prepare(trajectories)
     stats = trainer.update_actor(batch, advantages_BT.to(trainer.device))
-    trainer.end_step()
+    stats["time/actor_s"] = trainer.since(t0)
+    trainer.bad.end_step()
     return to_cpu(stats | trainer.batch_stats(batch, None))
 
 

@@ -142,7 +142,7 @@ def _state(trainer: Trainer, part: str) -> StateDict:
             if trainer.actor_sched is None
             else trainer.actor_sched.state_dict(),
             "running_mean": None if mean is None else mean.state_dict(),
-            "skipped_steps": trainer.skipped_steps,
+            "skipped_steps": trainer.bad.total,
         }
         return {
             "policy": _weights(trainer.policy, masters),
@@ -157,7 +157,7 @@ def _state(trainer: Trainer, part: str) -> StateDict:
         "critic_groups": _hyper(trainer.critic_optim),
         "critic_sched": None if sched is None else sched.state_dict(),
         "critic_fit": trainer.fit.state_dict(),
-        "skipped_steps": trainer.skipped_steps,
+        "skipped_steps": trainer.bad.total,
     }
     return {
         "critic": _weights(trainer.critic, trainer.critic_weights),
@@ -231,7 +231,7 @@ def _restore_extra(trainer: Trainer, extra: StateDict) -> None:
         trainer.running_mean.load_state_dict(extra["running_mean"])
     if extra.get("critic_fit") is not None:  # (the critic's side; older checkpoints: none)
         trainer.fit.load_state_dict(extra["critic_fit"])
-    trainer.skipped_steps = max(trainer.skipped_steps, int(extra["skipped_steps"]))
+    trainer.bad.total = max(trainer.bad.total, int(extra["skipped_steps"]))
 
 
 # ---------------------------------------------------------------- export

@@ -10,7 +10,7 @@ NaN/inf: an update is applied only when everything on its way is finite (the
 inputs of its loss, the loss, the gradient norm, the parameters AdamW would
 produce); otherwise it is skipped, so a model's weights and optimizer state are
 always those of its last good update, and ``max_bad_steps`` bad steps in a row
-stop the run with :class:`NonFiniteError`.
+stop the run with :class:`~sao.train.guard.NonFiniteError`.
 Ranks: the :class:`~sao.train.sharded.RankContext` builds the models (FSDP2 with
 N ranks) and picks this rank's micro-batches; every quantity that is not
 row-local (denominators, advantages, statistics) comes from the whole batch, so
@@ -45,7 +45,7 @@ from sao.train.estimators import (
     needs_old_logp,
     policy_loss,
 )
-from sao.train.guard import WHAT, Guard, NonFiniteError, nonfinite
+from sao.train.guard import WHAT, BadSteps, Guard, nonfinite
 from sao.train.precision import (
     MasterWeights,
     adamw,
@@ -146,16 +146,14 @@ class Trainer:
         self.fit = CriticFit()  # the critic's out-of-sample predictions (critic/heldout_*)
         self.lambda_1 = False  # this step's actor advantages used lambda 1 (not ready)
         self.gap: Stats = {}  # this step's critic/gae_gap_rms, critic/mc_adv_rms
-        self.bad_steps = 0  # consecutive steps with a NaN/inf value
-        self.skipped_steps = 0  # all of them
-        self.skipped = {"actor": 0, "critic": 0}  # per model: steps it was bad in
-        self._bad: dict[str, str] = {}  # this step: model -> what was not finite
+        lrs = {"actor": settings.actor_lr, "critic": settings.critic_lr}
+        self.bad = BadSteps(settings.max_bad_steps, lrs)  # NaN/inf steps: skipped, counted
 
     # ------------------------------------------------------------------ the step
 
     def step(self, trajectories: Sequence[Trajectory], *, train_actor: bool = True) -> Stats:
         """One actor step (or a critic-only warm-up step) on finished trajectories."""
-        self.begin_step()
+        self.bad.begin_step()
         t0 = time.perf_counter()
         batch = self.prepare(trajectories)
         stats: Stats = {}
@@ -176,16 +174,17 @@ class Trainer:
                         targets = self.targets(batch, values, None, before_update=False)
             else:
                 targets = self.targets(batch, self.values(batch), self.running_mean)
-        t1 = time.perf_counter()
-        if train_actor and targets is not None:
-            stats |= self.update_actor(batch, targets.advantages_BT)
         # where the step's time went (each phase ends on a host sync: `_apply`'s counts)
-        stats |= _seconds({"time/critic_s": t1 - t0, "time/actor_s": time.perf_counter() - t1})
+        stats["time/critic_s"] = self.since(t0)
+        if train_actor and targets is not None:
+            t1 = time.perf_counter()
+            stats |= self.update_actor(batch, targets.advantages_BT)
+            stats["time/actor_s"] = self.since(t1)
         patience = self.algo.critic_pretrain_patience
         if not train_actor and patience is not None:  # value pretraining until its plateau
             done = float(self.fit.plateaued(patience))
             stats["critic/pretrain_plateau"] = torch.tensor(done, device=self.device)
-        self.end_step()
+        self.bad.end_step()
         return to_cpu(stats | self.batch_stats(batch, targets))
 
     # ------------------------------------------------------------------ phases
@@ -224,7 +223,7 @@ class Trainer:
         saw this batch are out-of-sample predictions: they go into :attr:`fit`, and
         until the critic is ready (``algo.critic_ready_gain``) the actor's lambda is 1."""
         if values_BT is not None and nonfinite(batch.action_mask_BT, values_BT=values_BT):
-            self._bad["critic"] = "values (nothing was trained this step)"
+            self.bad.found["critic"] = "values (nothing was trained this step)"
             return None
         algo = self.actor_algo()
         self.lambda_1 = algo is not self.algo  # (logged: critic/actor_lambda_1)
@@ -394,6 +393,10 @@ class Trainer:
         if self._logprobs is not None:
             self._logprobs.packed = packed
 
+    def since(self, t0: float) -> torch.Tensor:
+        """Seconds since ``t0`` (a metric)."""
+        return torch.tensor(time.perf_counter() - t0, device=self.device)
+
     def _with_rows(self, batch: Batch) -> Iterator[tuple[Batch, torch.Tensor]]:
         return self.ranks.micro_batches(batch, self.opt.token_budget, packed=self.packing)
 
@@ -432,51 +435,15 @@ class Trainer:
             weights.store()
         else:
             why = (guard.what or "loss inputs (on another rank)", "loss", "gradient", _UPDATE)
-            self._bad[model] = next(w for w, n in zip(why, counts.tolist(), strict=True) if n)
+            self.bad.found[model] = next(w for w, n in zip(why, counts.tolist(), strict=True) if n)
         optim.zero_grad(set_to_none=True)  # free the float32 gradients until the next update
         return norm, applied
-
-    def begin_step(self) -> None:
-        """Forget the last step's NaN/inf findings (``step`` calls it first)."""
-        self._bad = {}
-
-    def end_step(self) -> None:
-        """Count a step in which the actor or the critic met a NaN/inf value; stop
-        after ``max_bad_steps`` such steps in a row (one good update of the critic
-        must not hide a diverged actor, so this is counted per trainer step). Every
-        rank takes the same decisions, so every rank stops at the same step."""
-        if not self._bad:
-            self.bad_steps = 0
-            return
-        self.bad_steps += 1
-        self.skipped_steps += 1
-        for model in self._bad:
-            self.skipped[model] += 1
-        if self.bad_steps >= self.opt.max_bad_steps:
-            raise NonFiniteError(self._stop_message())
-
-    def _stop_message(self) -> str:
-        """What diverged, that the weights are the last good ones, which knobs to turn."""
-        lr = {"actor": self.opt.actor_lr, "critic": self.opt.critic_lr}
-        what = "; ".join(f"{m}: NaN/inf {w}" for m, w in self._bad.items())
-        knobs = " or ".join(f"train.{m}_lr (now {lr[m]:g})" for m in self._bad)
-        return (
-            f"{self.bad_steps} consecutive steps had NaN/inf values "
-            f"(train.max_bad_steps={self.opt.max_bad_steps}); last one: {what}. Every such "
-            "update was skipped, so the models keep their last good (finite) weights. "
-            f"Lower {knobs}, or raise train.max_bad_steps"
-        )
 
     def batch_stats(self, batch: Batch, targets: Targets | None) -> Stats:
         """Reward, length and advantage summaries of the batch."""
         mask = batch.action_mask_BT
         n = mask.sum().clamp(min=1)
-        counts = {
-            "train/skipped_steps": self.skipped_steps,
-            "train/consecutive_bad_steps": self.bad_steps,
-            "actor/skipped_steps": self.skipped["actor"],
-            "critic/skipped_steps": self.skipped["critic"],
-        }
+        counts = self.bad.stats()
         stats = {k: torch.tensor(float(v), device=self.device) for k, v in counts.items()}
         stats |= {
             "train/reward_mean": batch.rewards_B.mean(),
@@ -511,10 +478,7 @@ class Trainer:
     def state_dict(self) -> dict[str, object]:
         """Optimizer, scheduler and baseline state (weights are saved separately)."""
         parts = self._stateful().items()
-        return {k: None if v is None else v.state_dict() for k, v in parts} | {
-            "skipped_steps": self.skipped_steps,
-            "skipped_per_model": dict(self.skipped),
-        }
+        return {k: None if v is None else v.state_dict() for k, v in parts} | self.bad.state_dict()
 
     def load_state_dict(self, state: dict[str, object]) -> None:
         """Restore what :meth:`state_dict` saved. A part absent from an older checkpoint
@@ -522,8 +486,7 @@ class Trainer:
         for key, part in self._stateful().items():
             if part is not None and state.get(key) is not None:
                 part.load_state_dict(state[key])
-        self.skipped_steps = int(state.get("skipped_steps", 0))  # type: ignore[call-overload]
-        self.skipped |= state.get("skipped_per_model") or {}  # type: ignore[call-overload]
+        self.bad.load_state_dict(state)
 
 
 def _zero_loss(out: torch.Tensor) -> torch.Tensor:
@@ -538,10 +501,6 @@ def _last_action_index(action_mask_BT: torch.Tensor) -> torch.Tensor:
     T = action_mask_BT.shape[1]
     pos = torch.arange(T, device=action_mask_BT.device).expand_as(action_mask_BT)
     return torch.where(action_mask_BT, pos, -1).max(dim=1).values
-
-
-def _seconds(times: dict[str, float]) -> Stats:
-    return {k: torch.tensor(v) for k, v in times.items()}
 
 
 def to_cpu(stats: Stats) -> Stats:

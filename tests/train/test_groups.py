@@ -47,7 +47,8 @@ def test_split_groups_train_like_the_colocated_step(name: str, after_update: boo
         got = _split_step(critic_t, actor_t, batch, train_actor)
         assert set(got) == set(want)
         for k, v in want.items():
-            assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
+            if not k.startswith("time/"):  # (seconds differ)
+                assert got[k] == pytest.approx(v, rel=1e-5, abs=1e-6), k
     for a, b in [(together.policy, actor_t.policy), (together.critic, critic_t.critic)]:
         assert a is not None and b is not None
         for (n, p), (_, q) in zip(a.state_dict().items(), b.state_dict().items(), strict=True):

@@ -84,7 +84,7 @@ def test_bad_steps_are_skipped_counted_and_stop_the_run(
     trainer.step(batch)
     with pytest.raises(NonFiniteError, match="3 consecutive steps"):
         trainer.step(batch)
-    assert trainer.skipped_steps == 5
+    assert trainer.bad.total == 5
 
 
 def test_critic_updates_do_not_hide_a_diverged_actor(

@@ -115,7 +115,7 @@ def test_nan_logprobs_skip_the_actor_and_keep_its_optimizer_state(tiny_policy: P
     with stops("3 consecutive steps", "actor: NaN/inf log-probabilities", "train.actor_lr"):
         trainer.step(batch)
     assert finite(trainer.policy) and finite(trainer.critic)
-    assert trainer.skipped == {"actor": 5, "critic": 0}
+    assert trainer.bad.per_model == {"actor": 5, "critic": 0}
 
 
 def test_nan_rollout_logprobs_skip_the_actor(tiny_policy: Path) -> None:
@@ -261,4 +261,4 @@ def test_counts_survive_a_checkpoint(tiny_policy: Path) -> None:
     poison.on = False
     fresh, _ = make(tiny_policy)
     fresh.load_state_dict(trainer.state_dict())
-    assert fresh.skipped == {"actor": 1, "critic": 0} and fresh.skipped_steps == 1
+    assert fresh.bad.per_model == {"actor": 1, "critic": 0} and fresh.bad.total == 1

@@ -82,8 +82,8 @@ def scenario(trainer: Trainer, rank: int) -> dict[str, Any]:
     trainer.step(make_batch(5, 16, 1))
     group["lr"] = lr
     out["D_actor_kept"] = same(local(trainer.policy), actor)
-    out["D_why"] = trainer.bad_steps == 1 and trainer._bad.get("actor", "")
-    out["skipped"] = dict(trainer.skipped)
+    out["D_why"] = trainer.bad.in_a_row == 1 and trainer.bad.found.get("actor", "")
+    out["skipped"] = dict(trainer.bad.per_model)
     trainer.step(make_batch(6, 16, 1))
     # C: the third bad step in a row stops the run, on both ranks
     out["stopped_at"] = None

@@ -47,7 +47,7 @@ def episode(rng: random.Random, turns: int, group: str) -> Trajectory:
 
 def separate_values_step(trainer: Trainer, trajs: list[Trajectory]) -> Stats:
     """The step as it ran before: a values forward, then K critic updates, then the actor."""
-    trainer.begin_step()
+    trainer.bad.begin_step()
     batch = trainer.prepare(trajs)
     values_BT = trainer.values(batch)
     targets = trainer.targets(batch, values_BT, trainer.running_mean)
@@ -57,7 +57,7 @@ def separate_values_step(trainer: Trainer, trajs: list[Trajectory]) -> Stats:
         targets = trainer.targets(batch, trainer.values(batch), None, before_update=False)
         assert targets is not None
     stats |= trainer.update_actor(batch, targets.advantages_BT)
-    trainer.end_step()
+    trainer.bad.end_step()
     return to_cpu(stats | trainer.batch_stats(batch, targets))
 
 
@@ -87,8 +87,8 @@ def test_shared_values_forward_trains_exactly_as_a_separate_one(name: str, packi
         trajs = [episode(rng, rng.randint(1, 4), f"g{step}.{i // 2}") for i in range(8)]
         got = shared.step(trajs)
         want = separate_values_step(separate, trajs)
-        assert set(got) == set(want)
-        for k, v in want.items():
+        assert set(got) == set(want) | {"time/critic_s", "time/actor_s"}
+        for k, v in want.items():  # (seconds differ)
             assert torch.equal(got[k], v) or (v.isnan() and got[k].isnan()), k
     for a, b in [(shared.policy, separate.policy), (shared.critic, separate.critic)]:
         assert a is not None and b is not None
