@@ -41,6 +41,7 @@ import aiohttp
 import torch
 
 from benchmarks.trainer_step import gemm_rate
+from sao.app.cpu import cpu_model
 from sao.app.engines import VLLM_CPU_PYTHON
 from sao.models.cache import sao_home
 from sao.models.loading import load_policy, load_tokenizer
@@ -242,7 +243,7 @@ def main() -> None:
     results = asyncio.run(run(args))
     print(f"\nSmolLM2-135M-Instruct float32, greedy, {args.new} new tokens per request, ")
     ref = "vLLM (CPU)" if "vLLM (CPU)" in results else next(iter(results))
-    print(f"{args.threads} torch threads; ratio = tokens/s / {ref}'s")
+    print(f"{args.threads} torch threads; ratio = tokens/s / {ref}'s; CPU: {cpu_model()}")
     head = "engine".ljust(14) + "".join(
         f"{'B=' + str(b) + ' tok/s':>13}{'ratio':>7}" for b in BATCHES
     )

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from benchmarks._bench import QUIET
-from benchmarks.run_memory import cpu_model
+from sao.app.cpu import cpu_model
 
 PRESETS = {"sao": "smollm2-arith-sao", "grpo": "smollm2-arith"}
 

@@ -19,13 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from benchmarks._bench import QUIET
+from sao.app.cpu import cpu_model
 
 # torch's CPU allocator: blocks >= 2 MiB aligned and madvised as transparent huge pages
 # (THP_MEM_ALLOC_ENABLE=1, sao's default) or not
@@ -35,18 +35,6 @@ ARMS: dict[str, tuple[str, dict[str, str]]] = {  # --set, environment
     "release_thp": ("train.release_memory=true", {"THP_MEM_ALLOC_ENABLE": "1"}),
     "ckpt": ("train.activation_checkpointing=true", {"THP_MEM_ALLOC_ENABLE": "1"}),
 }
-
-
-def cpu_model() -> str:
-    """The CPU's model name and the flags its GEMMs use."""
-    name, flags = platform.processor(), set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            name = line.split(":", 1)[1].strip()
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    wanted = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-    return f"{name} ({', '.join(f for f in wanted if f in flags)})"
 
 
 def run_arm(

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 
 from benchmarks._bench import QUIET
-from benchmarks.run_memory import cpu_model
+from sao.app.cpu import cpu_model
 from sao.experiments.named import get_experiment
 
 SYNC = "runtime.max_lag=0"

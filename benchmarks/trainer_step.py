@@ -66,6 +66,7 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 import sao.train.sharded as sharded_mod
 import sao.train.trainer as trainer_mod
 from sao.algo.presets import get_preset
+from sao.app.cpu import cpu_model
 from sao.models.freeze import freeze_attention, freeze_below
 from sao.models.loading import load_policy
 from sao.models.tiny import tiny_config
@@ -418,7 +419,7 @@ def main() -> None:
         f"torch threads={torch.get_num_threads()}"
     )
     rate = gemm_rate(args.gemm)
-    print(f"float32 GEMM rate (torch.mm {args.gemm}^3): {rate / 1e9:.1f} GFLOP/s")
+    print(f"float32 GEMM rate (torch.mm {args.gemm}^3): {rate / 1e9:.1f} GFLOP/s; {cpu_model()}")
     for n in names:  # warm-up: first-call checks (head, packing), allocator
         arms[n].step(trajs)
     steps: dict[str, list[Step]] = {n: [] for n in names}

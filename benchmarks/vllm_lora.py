@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel
 
-from benchmarks.run_memory import cpu_model
+from sao.app.cpu import cpu_model
 from sao.app.engines import make_publish
 from sao.models.fetch import resolve_model_path
 from sao.models.loading import load_policy, load_tokenizer

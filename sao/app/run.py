@@ -20,7 +20,8 @@ from transformers.utils import logging as hf_logging
 
 from sao.agents.endpoint import AgentEndpoint
 from sao.agents.runner import AgentRunner, AgentTask
-from sao.app.engines import Publish, budget_for, open_rollout_engine
+from sao.app.cpu import bfloat16_warning
+from sao.app.engines import Publish, budget_for, open_rollout_engine, weight_dtypes
 from sao.app.memory import available_bytes, check_memory, estimate_peak, longest_prompt
 from sao.app.parts import (
     Parts,
@@ -105,6 +106,8 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
     meter = MemoryMeter()  # memory/*: resident now, the peak from here on, the allocator's
     try:
         parts = build_parts(cfg, ckpt, task, models=cfg.runtime.backend == "local")
+        if warning := bfloat16_warning(parts.device, *weight_dtypes(cfg, parts.policy)):
+            print(warning)
         meter.expected_gib = _memory_check(parts, runtime)
     except BaseException:
         if resume is None:  # nothing ran yet: leave no half-made run directory behind
