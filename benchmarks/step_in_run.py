@@ -11,7 +11,9 @@ as ``sao experiment`` runs them, with ``--steps`` actor steps) runs twice as a
 with ``runtime.max_lag=0``. Figures are the runs' own metrics, medians over
 the actor steps after the first: ``time/train_step_s``, of which
 ``time/critic_s`` (collating, the critic's forwards and K updates, the
-advantages) and ``time/actor_s``; and ``idle/rollout_frac`` at the end.
+advantages) and ``time/actor_s``; the batch's tokens (``train/tokens``: each
+arm trains on its own episodes, so a step's cost follows its tokens); and
+``idle/rollout_frac`` at the end.
 
     PYTHONPATH=. python benchmarks/step_in_run.py [--experiment smollm2-guess]
         [--arms sao_top1,sao,grpo] [--steps 5] [--seed 0] [--set KEY=VALUE ...]
@@ -56,6 +58,7 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
     """Medians of the passes over the actor steps after the first, and the rollout idle share."""
     actor = [r for r in rows if "actor/loss" in r][1:]
     out = {k: statistics.median(r[k] for r in actor) for k in PASSES}
+    out["tokens"] = statistics.median(r["train/tokens"] for r in actor)
     out["steps"] = len(actor)
     out["idle/rollout_frac"] = rows[-1]["idle/rollout_frac"]
     return out
@@ -83,13 +86,14 @@ def main() -> None:
                 print(f"  {arm} {mode}: {res[arm, mode]}", flush=True)
     ref = arms[-1]
     print(f"\nmedian seconds over actor steps 2-{args.steps}; ratio: step / {ref}'s step")
-    print("| arm | mode | step s | critic s | actor s | rest s | rollout idle | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| arm | mode | tokens | step s | critic s | actor s | rest s | rollout idle | ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for (arm, mode), m in res.items():
         step, critic, actor = (m[k] for k in PASSES)
         ratio = step / res[ref, mode]["time/train_step_s"]
         cells = (step, critic, actor, step - critic - actor, m["idle/rollout_frac"], ratio)
-        print(f"| {arm} | {mode} | " + " | ".join(f"{c:.2f}" for c in cells) + " |")
+        line = f"| {arm} | {mode} | {m['tokens']:.0f} | "
+        print(line + " | ".join(f"{c:.2f}" for c in cells) + " |")
     for arm in arms:
         slow = res[arm, "async"]["time/train_step_s"] / res[arm, "sync"]["time/train_step_s"]
         print(f"{arm}: the asynchronous run's step is {slow:.2f}x the synchronous run's")

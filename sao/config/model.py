@@ -67,7 +67,8 @@ class ModelConfig(_Section):
     device is visible, else cpu), cpu, cuda or cuda:N."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
     """Training and rollout dtype of the weights; auto: bfloat16 on CUDA, float32 on CPU.
-    Log-probabilities, values and losses are computed in float32 either way."""
+    Log-probabilities, values and losses are computed in float32 either way. bfloat16 on a
+    CPU pays only with bfloat16 arithmetic (avx512_bf16 or AMX); without it a run warns."""
     tiny_size: Literal["0.1m", "0.5m", "1m", "2m", "5m"] = "1m"
     """Size of the tiny policy built when ``path`` is None (0.1m, 0.5m, 1m, 2m, 5m)."""
     lora: LoraSettings | None = None

@@ -175,7 +175,9 @@ class RolloutConfig(_Section):
     """Dtype of the embedded engine's weight copy: ``model`` (the trainer's: exact) or
     ``bfloat16`` (half the bytes per decoded token; the engine's log-probs then differ from
     the float32 trainer's, which the DIS ratio absorbs, and the log-prob check's budget
-    becomes bfloat16's, see ``train.logprob_budget``). Embedded engine only."""
+    becomes bfloat16's, see ``train.logprob_budget``). Embedded engine only. Faster only on a
+    CPU with bfloat16 arithmetic (avx512_bf16 or AMX): without it, 0.44x float32's tokens/s
+    at batch 32 (BENCHMARKS.md); a run warns."""
     engine: Literal["torch", "http", "vllm", "sglang"] = "torch"
     """Rollout engine: the embedded torch engine, or servers over HTTP (`sao serve`, vLLM,
     SGLang) given by ``servers`` or started by ``launch``."""

@@ -448,6 +448,7 @@ class Trainer:
         stats |= {
             "train/reward_mean": batch.rewards_B.mean(),
             "train/action_tokens_mean": mask.sum(dim=1).float().mean(),
+            "train/tokens": batch.attention_mask_BT.sum().float(),  # (prompts, observations too)
             "train/truncated_frac": batch.truncated_B.float().mean(),
         }
         if targets is not None:  # (None: a bad step without advantages)
