@@ -43,11 +43,8 @@ def bfloat16_warning(
     """A warning where a run computes in bfloat16 on a CPU without bfloat16
     arithmetic (neither avx512_bf16 nor AMX): its batched bfloat16 matrix
     products are then slower than float32 ones, not faster (None otherwise)."""
-    uses = [
-        what
-        for what, dtype in (("model.dtype", trainer), ("rollout.engine_dtype", engine))
-        if dtype == torch.bfloat16
-    ]
+    uses = ["model.dtype"] if trainer == torch.bfloat16 else []  # (the engine's copy follows)
+    uses += ["rollout.engine_dtype"] if engine == torch.bfloat16 and not uses else []
     name, flags = cpu_flags()
     if device.type != "cpu" or not uses or not flags or flags & BF16_FLAGS:
         return None
