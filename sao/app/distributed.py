@@ -9,7 +9,13 @@ from pathlib import Path
 
 import torch
 
-from sao.app.engines import configured_servers, connect_servers, context_window, model_device_type
+from sao.app.engines import (
+    configured_servers,
+    connect_servers,
+    context_window,
+    model_device_type,
+    weight_dtypes,
+)
 from sao.app.parts import (
     build_limits,
     build_task,
@@ -22,7 +28,7 @@ from sao.app.parts import (
 from sao.config import Config
 from sao.distributed.builders import RankParts, RayBuilders
 from sao.envs.base import Task
-from sao.models.loading import load_config, load_policy, load_tokenizer
+from sao.models.loading import load_config, load_policy, load_tokenizer, resolve_dtype
 from sao.rollout.embedded.engine import TorchEngine
 from sao.rollout.engine import Engine
 from sao.runtime.runner import LocalRunner
@@ -43,14 +49,17 @@ async def build_rollout_worker(
     tokenizer = load_tokenizer(model_dir)
     engine: Engine
     if r.engine == "torch":
-        policy = load_policy(model_dir)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        # model.dtype and rollout.engine_dtype, as a local run's engine takes them
+        policy = load_policy(model_dir, dtype=resolve_dtype(cfg.model.dtype, device))
         engine = TorchEngine(
             policy,
             max_batch_size=r.max_batch_size,
             max_seq_len=context_window(policy, r.max_total_tokens),
             tokenizer=tokenizer,
             version=version,
-            device="cuda" if torch.cuda.is_available() else "cpu",
+            device=device,
+            dtype=weight_dtypes(cfg, policy)[1],
             recompute_kv_on_update=r.recompute_kv_on_update,
         )
     else:

@@ -25,10 +25,16 @@ The micro-batch is ``train.batch_size`` episodes of the longest an episode can b
 to ``rollout.max_observation_tokens`` between them, within
 ``rollout.max_total_tokens``; capped at ``train.token_budget`` tokens. So it is an
 upper bound of the step's activations where replies reach their limit, the case a
-run must survive. Engines in other processes (servers the run launches, Ray
-workers) are not counted; their processes' memory is measured with the run's.
-On a GPU (``model.device``) the total is the device's and is compared with its
-free memory; the runtime, host memory, is left out there.
+run must survive. Servers the run launches are not counted; their processes'
+memory is measured with the run's. On a GPU (``model.device``) the total is the
+device's and is compared with its free memory; the runtime, host memory, is
+left out there.
+
+A Ray run on a cluster it starts on this machine (:func:`estimate_ray_peak`)
+counts the same owners summed over its processes: the driver, Ray's own, each
+rollout worker (its engine, KV cache and the update it receives) and each
+trainer rank (its shards and micro-batch), with the copies an update makes on
+its way (rank 0's gathered policy, the object store's).
 """
 
 from __future__ import annotations
@@ -50,7 +56,14 @@ from sao.rollout.chat import encode_first_observation, validate_observation
 from sao.rollout.envthread import EnvCalls
 from sao.runtime.memory import GIB, MEMORY_BUSY_EXIT, process_tree_rss
 
-__all__ = ["MemoryBusy", "MemoryEstimate", "check_memory", "estimate_peak", "longest_episode"]
+__all__ = [
+    "MemoryBusy",
+    "MemoryEstimate",
+    "check_memory",
+    "estimate_peak",
+    "estimate_ray_peak",
+    "longest_episode",
+]
 
 LOGIT_CHUNK = 1024
 """Positions per checkpointed chunk of the trainer's LM head (``sao.models.logprobs``)."""
@@ -63,6 +76,7 @@ class MemoryEstimate:
     parts: dict[str, float]
     rows: int
     episode_tokens: int
+    processes: int = 1
 
     @property
     def total(self) -> float:
@@ -71,9 +85,10 @@ class MemoryEstimate:
     def describe(self) -> str:
         """One line: the total and each owner, in GiB."""
         items = ", ".join(f"{k} {v / GIB:.2f}" for k, v in self.parts.items() if v > 0)
+        where = f" over {self.processes} processes" if self.processes > 1 else ""
         return (
-            f"memory: expected peak {self.total / GIB:.1f} GiB ({items}; a micro-batch of "
-            f"{self.rows} x {self.episode_tokens} tokens)"
+            f"memory: expected peak {self.total / GIB:.1f} GiB{where} ({items}; a micro-batch "
+            f"of {self.rows} x {self.episode_tokens} tokens)"
         )
 
 
@@ -151,40 +166,122 @@ def estimate_peak(p: Parts, prompt_tokens: int | None, runtime: int) -> MemoryEs
     """The expected peak of a local run of ``p`` on its device (module docstring);
     ``runtime``: the process's resident bytes before it loaded the models (counted
     on the CPU only)."""
-    cfg, c = p.cfg, p.policy.config
+    cfg, policy = p.cfg, p.policy
     on_host = p.device.type == "cpu"
-    policy_bytes, policy_trained = _bytes(p.policy.parameters())
+    policy_bytes, policy_trained = _bytes(policy.parameters())
     critic_bytes, critic_trained = (
-        (0, 0) if p.critic is None else _bytes(p.critic.parameters(), p.policy.parameters())
+        (0, 0) if p.critic is None else _bytes(p.critic.parameters(), policy.parameters())
     )
-    master = 0 if p.policy.dtype == torch.float32 else 4
+    master = 0 if policy.dtype == torch.float32 else 4
     parts: dict[str, float] = {
         "runtime": runtime if on_host else 0,  # (the device's memory holds no Python)
         "policy": policy_bytes,
         "critic": critic_bytes,
         "optimizer": (8 + master) * (policy_trained + critic_trained),
-        "gradients": (p.policy.dtype.itemsize + master) * max(policy_trained, critic_trained),
+        "gradients": (policy.dtype.itemsize + master) * max(policy_trained, critic_trained),
     }
-    context = context_window(p.policy, cfg.rollout.max_total_tokens)
+    context = context_window(policy, cfg.rollout.max_total_tokens)
     if cfg.rollout.engine == "torch":
-        engine_dtype = weight_dtypes(cfg, p.policy)[1]
-        parts["engine"] = policy_bytes * engine_dtype.itemsize / p.policy.dtype.itemsize
-        heads = c.num_attention_heads
-        kv_heads = getattr(c, "num_key_value_heads", None) or heads
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
-        slots = cfg.rollout.max_batch_size
-        kv = 2 * c.num_hidden_layers * slots * kv_heads * context * head_dim
-        parts["kv_cache"] = kv * engine_dtype.itemsize
+        parts["engine"], parts["kv_cache"] = _engine_bytes(cfg, policy, policy_bytes, context)
     episode = longest_episode(cfg, prompt_tokens, context)
     rows = max(1, min(cfg.train.batch_size, cfg.train.token_budget // episode))
-    tokens = rows * episode
-    logits = 3 * min(tokens, LOGIT_CHUNK) * c.vocab_size * 4
-    saved = saved_activation_bytes(p.policy, rows, episode)
-    if cfg.train.activation_checkpointing:  # each layer's input, and one layer recomputed
-        inputs = c.num_hidden_layers * tokens * c.hidden_size * p.policy.dtype.itemsize
-        saved = saved // c.num_hidden_layers + inputs
-    parts["activations"] = saved + logits
+    parts["activations"] = _activation_bytes(cfg, policy, rows, episode)
     return MemoryEstimate(parts, rows, episode)
+
+
+RAY_DAEMONS = 0.6 * GIB
+"""Resident memory of a local Ray cluster's own processes (GCS server, raylet,
+dashboard, its agents and helpers): 0.56 GiB measured beside a run on a
+2-core machine (BENCHMARKS.md, "A Ray run's memory")."""
+RAY_ACTOR = 0.25 * GIB
+"""What a Ray actor process (a rollout worker, a trainer rank) holds beyond the
+driver's own runtime before models: Ray's core worker, its threads, gloo's
+process group: 0.22-0.32 GiB measured (the same section)."""
+
+
+def estimate_ray_peak(
+    cfg: Config,
+    policy: PreTrainedModel,
+    critic: nn.Module | None,
+    prompt_tokens: int | None,
+    runtime: int,
+) -> MemoryEstimate:
+    """The expected peak host memory of a run with ``runtime.backend = "ray"`` on a
+    cluster started on this machine, summed over its processes: the driver
+    (``runtime``, its figure before models) and Ray's own (``processes``:
+    :data:`RAY_DAEMONS`, and each actor's runtime, the driver's plus
+    :data:`RAY_ACTOR`); the trainer ranks' model shards, which add up to one copy
+    of each model, its optimizer state and gradients (both models' at once when
+    the critic has ranks of its own), and each rank's micro-batch of
+    ``train.batch_size / ranks`` rows; the policy twice more for each update in
+    flight (rank 0's gathered copy and the object store's); and each rollout
+    worker's engine copy, the update it deserialises, and its KV cache.
+    ``policy`` and ``critic``: the models as the ranks build them, on the "meta"
+    device (shapes only)."""
+    rt = cfg.runtime
+    share = rt.trainer_ranks == 1 and rt.critic_ranks == 0  # (one process: a shared trunk)
+    policy_bytes, policy_trained = _bytes(policy.parameters())
+    critic_bytes, critic_trained = (
+        (0, 0)
+        if critic is None
+        else _bytes(critic.parameters(), policy.parameters() if share else ())
+    )
+    master = 0 if policy.dtype == torch.float32 else 4
+    at_once = critic_trained if rt.critic_ranks else 0  # (else the critic's come and go first)
+    actors = rt.rollout_workers + rt.trainer_ranks + rt.critic_ranks
+    parts: dict[str, float] = {
+        "runtime": runtime,
+        "processes": RAY_DAEMONS + actors * (runtime + RAY_ACTOR),
+        "policy": 3 * policy_bytes,
+        "critic": critic_bytes,
+        "optimizer": (8 + master) * (policy_trained + critic_trained),
+        "gradients": (policy.dtype.itemsize + master)
+        * (max(policy_trained, critic_trained) if not at_once else policy_trained + at_once),
+    }
+    context = context_window(policy, cfg.rollout.max_total_tokens)
+    if cfg.rollout.engine == "torch":
+        engine, kv = _engine_bytes(cfg, policy, policy_bytes, context)
+        parts["engine"] = rt.rollout_workers * (engine + policy_bytes)
+        parts["kv_cache"] = rt.rollout_workers * kv
+    episode = longest_episode(cfg, prompt_tokens, context)
+    share_rows = math.ceil(cfg.train.batch_size / rt.trainer_ranks)
+    rows = max(1, min(share_rows, cfg.train.token_budget // episode))
+    activations = rt.trainer_ranks * _activation_bytes(cfg, policy, rows, episode)
+    if critic is not None and rt.critic_ranks:  # its K updates run while the actor's does
+        critic_rows = math.ceil(cfg.train.batch_size / rt.critic_ranks)
+        critic_rows = max(1, min(critic_rows, cfg.train.token_budget // episode))
+        activations += rt.critic_ranks * _activation_bytes(
+            cfg, policy, critic_rows, episode, logits=False
+        )
+    parts["activations"] = activations
+    return MemoryEstimate(parts, rows, episode, processes=1 + actors)
+
+
+def _engine_bytes(
+    cfg: Config, policy: PreTrainedModel, policy_bytes: int, context: int
+) -> tuple[float, float]:
+    """The embedded engine's weight copy and its KV cache, in bytes."""
+    c = policy.config
+    engine_dtype = weight_dtypes(cfg, policy)[1]
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    kv = 2 * c.num_hidden_layers * cfg.rollout.max_batch_size * kv_heads * context * head_dim
+    return policy_bytes * engine_dtype.itemsize / policy.dtype.itemsize, kv * engine_dtype.itemsize
+
+
+def _activation_bytes(
+    cfg: Config, policy: PreTrainedModel, rows: int, episode: int, *, logits: bool = True
+) -> int:
+    """A training micro-batch's saved activations (``rows`` x ``episode`` tokens),
+    and the LM head's logits (``logits``; a critic has none)."""
+    c = policy.config
+    tokens = rows * episode
+    saved = saved_activation_bytes(policy, rows, episode)
+    if cfg.train.activation_checkpointing:  # each layer's input, and one layer recomputed
+        inputs = c.num_hidden_layers * tokens * c.hidden_size * policy.dtype.itemsize
+        saved = saved // c.num_hidden_layers + inputs
+    return saved + (3 * min(tokens, LOGIT_CHUNK) * c.vocab_size * 4 if logits else 0)
 
 
 def available_bytes(device: torch.device) -> float | None:
@@ -218,6 +315,7 @@ _LEVERS = {
     "critic": "a critic-free algo.preset (grpo, rloo, running_mean)",
     "policy": 'model.dtype="bfloat16"',
     "runtime": "",
+    "processes": "runtime.rollout_workers, runtime.trainer_ranks (each a process of its own)",
 }
 
 

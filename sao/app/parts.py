@@ -233,6 +233,16 @@ def load_critic(
     return critic
 
 
+def model_shells(cfg: Config) -> tuple[PreTrainedModel, ValueModel | None]:
+    """The policy and the critic as Ray trainer ranks build them, on the "meta"
+    device: shapes, dtypes and which parameters train, no weights read."""
+    _, dtype = model_device(cfg)
+    meta = torch.device("meta")
+    policy = load_trained_policy(cfg, None, meta, dtype)
+    share = policy if cfg.runtime.trainer_ranks == 1 and cfg.runtime.critic_ranks == 0 else None
+    return policy, load_critic(cfg, None, meta, dtype, quiet=True, share_with=share)
+
+
 def critic_base(cfg: Config) -> Path:
     """The checkpoint a new critic starts from: ``model.critic_path``, else the policy's."""
     return resolve_model_path(cfg.model.critic_path) if cfg.model.critic_path else policy_path(cfg)

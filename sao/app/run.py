@@ -22,12 +22,19 @@ from sao.agents.endpoint import AgentEndpoint
 from sao.agents.runner import AgentRunner, AgentTask
 from sao.app.cpu import bfloat16_warning
 from sao.app.engines import Publish, budget_for, open_rollout_engine, weight_dtypes
-from sao.app.memory import available_bytes, check_memory, estimate_peak, longest_prompt
+from sao.app.memory import (
+    available_bytes,
+    check_memory,
+    estimate_peak,
+    estimate_ray_peak,
+    longest_prompt,
+)
 from sao.app.parts import (
     Parts,
     TrainTask,
     build_failure_policy,
     build_parts,
+    model_shells,
     policy_path,
 )
 from sao.config import Config, ConfigError, to_dict
@@ -120,19 +127,24 @@ def train(cfg: Config, *, task: TrainTask | None = None, resume: Path | None = N
 
 def _memory_check(p: Parts, runtime: int) -> float | None:
     """Print the run's expected peak memory by owner and return it (GiB); refuse
-    (ConfigError) a run that would not fit (``train.memory_check``). Local trainers
-    only (None otherwise): Ray ranks hold their models in processes of their own.
-    The host peak is also published for ``sao experiment --jobs`` (None: unknown)."""
-    if p.cfg.runtime.backend != "local":
-        publish_expected_peak(None)
+    (ConfigError) a run that would not fit (``train.memory_check``). A Ray run's
+    is its processes' on this machine's cluster, on the CPU (None otherwise). The
+    host peak is also published for ``sao experiment --jobs`` (None: unknown)."""
+    cfg = p.cfg
+    ray = cfg.runtime.backend == "ray"
+    if ray and (cfg.runtime.ray_address is not None or p.device.type != "cpu"):
+        publish_expected_peak(None)  # (processes on other machines, or on GPUs)
         return None
     prompt = None  # an agent's prompts come from its own code
     if not isinstance(p.task, AgentTask):
         prompt = asyncio.run(longest_prompt(p.task, p.tokenizer, p.limits.reset_timeout_s))
-    estimate = estimate_peak(p, prompt, runtime)
+    if ray:
+        estimate = estimate_ray_peak(cfg, *model_shells(cfg), prompt, runtime)
+    else:
+        estimate = estimate_peak(p, prompt, runtime)
     available = available_bytes(p.device)
     reserved = reserved_bytes() if p.device.type == "cpu" else 0.0  # sao experiment --jobs
-    print(check_memory(estimate, available, enforce=p.cfg.train.memory_check, reserved=reserved))
+    print(check_memory(estimate, available, enforce=cfg.train.memory_check, reserved=reserved))
     publish_expected_peak(estimate.total if p.device.type == "cpu" else None)
     return estimate.total / GIB
 

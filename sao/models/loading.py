@@ -96,8 +96,9 @@ def load_policy(
 ) -> PreTrainedModel:
     """Load a causal LM (``AutoModelForCausalLM``) from a local directory.
 
-    Raises :class:`ModelLoadError` when ``path`` is not a local directory,
-    holds no ``config.json``, or holds a model that is not a causal LM.
+    On the "meta" device it is :func:`policy_shell`: shapes, names and dtypes,
+    no weights read. Raises :class:`ModelLoadError` when ``path`` is not a local
+    directory, holds no ``config.json``, or holds a model that is not a causal LM.
     """
     config = load_config(path)
     if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
@@ -107,6 +108,8 @@ def load_policy(
             f"(architectures={archs}), which is not a causal language model. Fix: pass a "
             "decoder-only checkpoint (e.g. Llama, Qwen2/3, Mistral, Gemma, GPT-2)"
         )
+    if torch.device(device).type == "meta":
+        return policy_shell(path, dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(
         Path(path).expanduser(), config=config, dtype=dtype, local_files_only=True
     )

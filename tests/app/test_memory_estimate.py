@@ -83,19 +83,24 @@ def test_meta_activation_count_matches_real_tensors(tiny_policy: Path) -> None:
         assert 0.85 * real <= meta <= 1.25 * real, (rows, tokens, meta, real)
 
 
-def test_estimate_by_owner(tiny_policy: Path) -> None:
-    cfg = load_config(
-        overrides=[
-            f"model.path={tiny_policy}",
-            "algo=sao",
-            "rollout.max_batch_size=8",
-            "rollout.max_total_tokens=64",
-            "rollout.max_turns=1",
-            "rollout.max_new_tokens=4",
-            "train.batch_size=16",
-            "train.token_budget=256",
-        ]
+def _small_cfg(tiny_policy: Path, *sets: str):  # type: ignore[no-untyped-def]
+    """SAO on the tiny policy: 8 decode slots of 64 tokens, 16 one-turn episodes of
+    at most 4 reply tokens a batch, micro-batches of at most 256 tokens."""
+    return _cfg(
+        f"model.path={tiny_policy}",
+        "algo=sao",
+        "rollout.max_batch_size=8",
+        "rollout.max_total_tokens=64",
+        "rollout.max_turns=1",
+        "rollout.max_new_tokens=4",
+        "train.batch_size=16",
+        "train.token_budget=256",
+        *sets,
     )
+
+
+def test_estimate_by_owner(tiny_policy: Path) -> None:
+    cfg = _small_cfg(tiny_policy)
     p = build_parts(cfg, quiet=True)
     est = estimate_peak(p, prompt_tokens=12, runtime=123)
     assert p.critic is not None
@@ -134,4 +139,98 @@ def test_a_run_that_will_not_fit_stops_before_training(
     with pytest.raises(ConfigError, match=r"GiB at its peak, more than the 0.0 GiB available") as e:
         run.train(cfg)
     assert "train.memory_check=false" in str(e.value)
+    assert not run_dir.exists()
+
+
+def test_a_meta_load_reads_no_weights(tiny_policy: Path, tmp_path: Path) -> None:
+    """On the meta device a policy is its shell: a checkpoint without its weight
+    file still gives every shape and dtype."""
+    import shutil
+
+    from sao.models.loading import load_policy
+
+    shell_dir = tmp_path / "shell"
+    shell_dir.mkdir()
+    shutil.copy(tiny_policy / "config.json", shell_dir)
+    shell = load_policy(shell_dir, dtype=torch.bfloat16, device="meta")
+    real = load_policy(tiny_policy)
+    assert {p.device.type for p in shell.parameters()} == {"meta"}
+    assert {p.dtype for p in shell.parameters()} == {torch.bfloat16}
+    shapes = {n: p.shape for n, p in real.named_parameters()}
+    assert {n: p.shape for n, p in shell.named_parameters()} == shapes
+
+
+def _ray_cfg(tiny_policy: Path, *sets: str):  # type: ignore[no-untyped-def]
+    return _small_cfg(tiny_policy, "runtime.backend=ray", "runtime.rollout_workers=3", *sets)
+
+
+def test_ray_estimate_by_process(tiny_policy: Path) -> None:
+    """A Ray run's estimate, worked by hand on the tiny policy: 1 driver, 3 workers
+    and 2 trainer ranks (6 processes)."""
+    from sao.app.memory import RAY_ACTOR, RAY_DAEMONS, estimate_ray_peak
+    from sao.app.parts import model_shells
+
+    cfg = _ray_cfg(tiny_policy, "runtime.trainer_ranks=2")
+    policy, critic = model_shells(cfg)
+    assert critic is not None and {p.device.type for p in critic.parameters()} == {"meta"}
+    est = estimate_ray_peak(cfg, policy, critic, prompt_tokens=12, runtime=100)
+    unique = {id(x): x for x in policy.parameters()}.values()  # tied weights once
+    n_policy = sum(x.numel() for x in unique)
+    n_critic = sum(x.numel() for x in critic.parameters())
+    trained_critic = sum(x.numel() for x in critic.parameters() if x.requires_grad)
+    assert trained_critic < n_critic  # frozen attention, as on the ranks
+    parts = est.parts
+    assert est.processes == 6
+    assert parts["runtime"] == 100
+    assert parts["processes"] == RAY_DAEMONS + 5 * (100 + RAY_ACTOR)
+    # the ranks' shards (one copy), rank 0's gathered update and the object store's
+    assert parts["policy"] == 3 * 4 * n_policy
+    assert parts["critic"] == 4 * n_critic
+    assert parts["optimizer"] == 8 * (n_policy + trained_critic)
+    assert parts["gradients"] == 4 * max(n_policy, trained_critic)  # one model at a time
+    assert parts["engine"] == 3 * (4 * n_policy + 4 * n_policy)  # each copy and its update
+    c = policy.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    assert parts["kv_cache"] == 3 * 2 * c.num_hidden_layers * 8 * c.num_key_value_heads * 64 * (
+        head_dim * 4
+    )
+    # each rank trains 16 / 2 = 8 rows of 16 tokens: 128 positions, one logits chunk
+    assert (est.rows, est.episode_tokens) == (8, 16)
+    one_rank = saved_activation_bytes(policy, 8, 16) + 3 * 128 * c.vocab_size * 4
+    assert parts["activations"] == 2 * one_rank
+    assert "over 6 processes" in est.describe()
+
+
+def test_ray_estimate_critic_ranks_train_at_once(tiny_policy: Path) -> None:
+    """With the critic on ranks of its own, both models' gradients and micro-batches
+    are alive at once: the critic's 16 rows on its one rank, no logits."""
+    from sao.app.memory import estimate_ray_peak
+    from sao.app.parts import model_shells
+
+    cfg = _ray_cfg(tiny_policy, "runtime.critic_ranks=1")
+    policy, critic = model_shells(cfg)
+    assert critic is not None
+    est = estimate_ray_peak(cfg, policy, critic, prompt_tokens=12, runtime=100)
+    n_policy = sum(x.numel() for x in {id(x): x for x in policy.parameters()}.values())
+    trained_critic = sum(x.numel() for x in critic.parameters() if x.requires_grad)
+    assert est.processes == 1 + 3 + 1 + 1
+    assert est.parts["gradients"] == 4 * (n_policy + trained_critic)
+    c = policy.config
+    actor = saved_activation_bytes(policy, 16, 16) + 3 * 256 * c.vocab_size * 4
+    assert est.parts["activations"] == actor + saved_activation_bytes(policy, 16, 16)
+
+
+def test_a_ray_run_prints_its_estimate_and_refuses_what_will_not_fit(
+    tiny_policy: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The check runs for Ray runs too, before Ray starts: a run whose processes
+    would not fit stops with the keys that lower it, the worker count among them."""
+    from sao.app import run
+
+    monkeypatch.setattr(run, "available_bytes", lambda device: 2**20)
+    run_dir = tmp_path / "run"
+    cfg = _ray_cfg(tiny_policy, f"log.run_dir={run_dir}")
+    with pytest.raises(ConfigError, match=r"over 5 processes") as e:
+        run.train(cfg)
+    assert "runtime.rollout_workers" in str(e.value)
     assert not run_dir.exists()

@@ -3,6 +3,7 @@ the local backend, and a worker killed mid-run is replaced."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -11,9 +12,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("ray")
 
+from sao.rollout.embedded.engine import TorchEngine
 from tests.distributed.processes import own_ray_pids
 from tests.train.test_learning import _reward_gain, run
 
@@ -74,6 +77,10 @@ def test_ray_rollout_workers_learn_and_survive_a_dead_worker(
     assert max(r["step"] for r in history) == 26  # 2 warm-up + 24 actor steps
     assert max(r.get("workers/replaced", 0) for r in history) >= 1
     assert [r["version"] for r in history if "version" in r][-1] == 24
+    # the estimate printed before training counts the driver, Ray's own processes,
+    # the trainer rank and both workers: the measured peak stays within 1.3x of it
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["memory/peak_gib"] <= 1.3 * summary["memory/expected_peak_gib"], summary
 
 
 def test_too_small_a_cluster_says_what_is_missing(tmp_path: Path, tiny_policy: Path) -> None:
@@ -133,3 +140,33 @@ def test_ray_trainer_rank_broadcasts_weights_to_the_servers(
     assert [r["version"] for r in history if "version" in r][-1] == 16
     assert all(r["publish/sync_s"] > 0 for r in history if "publish/sync_s" in r)
     assert not (tmp_path / "run" / "weights").exists()  # nothing went through the filesystem
+
+
+@pytest.mark.parametrize(
+    ("sets", "dtype"),
+    [
+        ((), torch.float32),
+        (("rollout.engine_dtype=bfloat16",), torch.bfloat16),
+        (("model.dtype=bfloat16",), torch.bfloat16),
+    ],
+)
+def test_a_rollout_worker_engine_takes_the_configured_dtypes(
+    tiny_policy: Path, sets: tuple[str, ...], dtype: torch.dtype
+) -> None:
+    """A Ray worker's embedded engine copies the weights in the dtype a local run's
+    engine would: ``rollout.engine_dtype``, else ``model.dtype`` (built here in this
+    process, as the worker's actor builds it)."""
+    from sao.app.distributed import build_rollout_worker
+    from sao.config import load_config
+
+    cfg = load_config(overrides=[f"model.path={tiny_policy}", "runtime.backend=ray", *sets])
+
+    async def built() -> torch.dtype:
+        _, engine = await build_rollout_worker(cfg, str(tiny_policy), None, [], 0)
+        try:
+            assert isinstance(engine, TorchEngine)
+            return engine.dtype
+        finally:
+            await engine.aclose()
+
+    assert asyncio.run(built()) == dtype
