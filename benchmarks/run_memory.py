@@ -2,7 +2,9 @@
 freed pages given back after each trainer step, torch's large blocks in
 transparent huge pages: ``release_thp``), in 4 KiB pages (``release``), without
 giving pages back (``keep``, what runs did before), and with activation
-checkpointing (``ckpt``).
+checkpointing (``ckpt``); and as sao runs it with ``runtime.backend=ray``
+(``ray``: its estimate and figures sum the driver, Ray's processes, two rollout
+workers and a trainer rank).
 
 Each arm is a ``sao train`` subprocess (a fresh allocator) of the same preset,
 seed and steps; the figures are the run's own ``memory/*`` metrics
@@ -34,6 +36,8 @@ ARMS: dict[str, tuple[str, dict[str, str]]] = {  # --set, environment
     "keep": ("train.release_memory=false", {"THP_MEM_ALLOC_ENABLE": "0"}),
     "release_thp": ("train.release_memory=true", {"THP_MEM_ALLOC_ENABLE": "1"}),
     "ckpt": ("train.activation_checkpointing=true", {"THP_MEM_ALLOC_ENABLE": "1"}),
+    # the default, with Ray rollout workers (2) and a trainer rank in processes of their own
+    "ray": ("runtime.backend=ray", {"THP_MEM_ALLOC_ENABLE": "1"}),
 }
 
 
@@ -62,7 +66,8 @@ def main() -> None:
     ap.add_argument("--preset", default="smollm2-arith-sao")
     ap.add_argument("--steps", type=int, default=6, help="actor steps (warm-up steps come first)")
     ap.add_argument("--seed", type=int, default=23)
-    ap.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
+    local = [a for a in ARMS if a != "ray"]
+    ap.add_argument("--arms", nargs="+", default=local, choices=list(ARMS))
     args = ap.parse_args()
     print(f"{args.preset}, {args.steps} actor steps, seed {args.seed}; CPU: {cpu_model()}")
     results = {}
