@@ -43,6 +43,7 @@ from sao.distributed.builders import DeviceType, RayBuilders, WorkerBuilder
 from sao.envs.base import Split, Task
 from sao.rollout.remote.router import NoLiveEngineError
 from sao.rollout.resume import EpisodeResume
+from sao.runtime.memory import give_back_freed
 from sao.types import SamplingParams, Trajectory
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,8 @@ class RolloutWorker:
         from sao.rollout.weights import DiskWeights, TensorWeights
 
         t0 = time.perf_counter()
+        if self.cfg.train.release_memory:  # freed pages (the last update's copy) back
+            give_back_freed()
         if isinstance(weights, str):
             await self.engine.update_weights(DiskWeights(Path(weights), version))
         else:
