@@ -52,6 +52,7 @@ from sao.app.engines import context_window, weight_dtypes
 from sao.app.parts import Parts
 from sao.config import Config, ConfigError
 from sao.envs.base import Task
+from sao.models.lora import MergedWeights, has_lora
 from sao.rollout.chat import encode_first_observation, validate_observation
 from sao.rollout.envthread import EnvCalls
 from sao.runtime.memory import GIB, MEMORY_BUSY_EXIT, process_tree_rss
@@ -182,7 +183,8 @@ def estimate_peak(p: Parts, prompt_tokens: int | None, runtime: int) -> MemoryEs
     }
     context = context_window(policy, cfg.rollout.max_total_tokens)
     if cfg.rollout.engine == "torch":
-        parts["engine"], parts["kv_cache"] = _engine_bytes(cfg, policy, policy_bytes, context)
+        plain = _plain_bytes(policy, policy_bytes, policy_trained)
+        parts["engine"], parts["kv_cache"] = _engine_bytes(cfg, policy, plain, context)
     episode = longest_episode(cfg, prompt_tokens, context)
     rows = max(1, min(cfg.train.batch_size, cfg.train.token_budget // episode))
     parts["activations"] = _activation_bytes(cfg, policy, rows, episode)
@@ -213,9 +215,10 @@ def estimate_ray_peak(
     :data:`RAY_ACTOR`); the trainer ranks' model shards, which add up to one copy
     of each model, its optimizer state and gradients (both models' at once when
     the critic has ranks of its own), and each rank's micro-batch of
-    ``train.batch_size / ranks`` rows; the policy twice more for each update in
-    flight (rank 0's gathered copy and the object store's); and each rollout
-    worker's engine copy, the update it deserialises, and its KV cache.
+    ``train.batch_size / ranks`` rows; rank 0's gathered copy of the policy and
+    the update in the object store (the policy, or a LoRA policy's merged adapted
+    modules); and each rollout worker's engine copy, the update it deserialises,
+    and its KV cache.
     ``policy`` and ``critic``: the models as the ranks build them, on the "meta"
     device (shapes only)."""
     rt = cfg.runtime
@@ -229,10 +232,11 @@ def estimate_ray_peak(
     master = 0 if policy.dtype == torch.float32 else 4
     at_once = critic_trained if rt.critic_ranks else 0  # (else the critic's come and go first)
     actors = rt.rollout_workers + rt.trainer_ranks + rt.critic_ranks
+    update = _update_bytes(policy, policy_bytes)
     parts: dict[str, float] = {
         "runtime": runtime,
         "processes": RAY_DAEMONS + actors * (runtime + RAY_ACTOR),
-        "policy": 3 * policy_bytes,
+        "policy": 2 * policy_bytes + update,  # shards, rank 0's gathered copy, the update
         "critic": critic_bytes,
         "optimizer": (8 + master) * (policy_trained + critic_trained),
         "gradients": (policy.dtype.itemsize + master)
@@ -240,8 +244,9 @@ def estimate_ray_peak(
     }
     context = context_window(policy, cfg.rollout.max_total_tokens)
     if cfg.rollout.engine == "torch":
-        engine, kv = _engine_bytes(cfg, policy, policy_bytes, context)
-        parts["engine"] = rt.rollout_workers * (engine + policy_bytes)
+        plain = _plain_bytes(policy, policy_bytes, policy_trained)
+        engine, kv = _engine_bytes(cfg, policy, plain, context)
+        parts["engine"] = rt.rollout_workers * (engine + update)
         parts["kv_cache"] = rt.rollout_workers * kv
     episode = longest_episode(cfg, prompt_tokens, context)
     share_rows = math.ceil(cfg.train.batch_size / rt.trainer_ranks)
@@ -257,10 +262,26 @@ def estimate_ray_peak(
     return MemoryEstimate(parts, rows, episode, processes=1 + actors)
 
 
+def _plain_bytes(policy: PreTrainedModel, policy_bytes: int, trained: int) -> int:
+    """The policy's bytes without its adapters (what an engine's merged copy holds:
+    a LoRA policy trains only those)."""
+    return policy_bytes - (trained * policy.dtype.itemsize if has_lora(policy) else 0)
+
+
+def _update_bytes(policy: PreTrainedModel, policy_bytes: int) -> int:
+    """What one weight update carries: the whole policy, or for a LoRA policy its
+    adapted modules' merged weights (:func:`~sao.models.lora.published_state`)."""
+    if not has_lora(policy):
+        return policy_bytes
+    shapes = MergedWeights(policy).shapes.values()
+    return sum(math.prod(shape) for shape in shapes) * policy.dtype.itemsize
+
+
 def _engine_bytes(
     cfg: Config, policy: PreTrainedModel, policy_bytes: int, context: int
 ) -> tuple[float, float]:
-    """The embedded engine's weight copy and its KV cache, in bytes."""
+    """The embedded engine's weight copy (of ``policy_bytes`` in the model's dtype)
+    and its KV cache, in bytes."""
     c = policy.config
     engine_dtype = weight_dtypes(cfg, policy)[1]
     heads = c.num_attention_heads

@@ -183,7 +183,8 @@ def test_ray_estimate_by_process(tiny_policy: Path) -> None:
     assert est.processes == 6
     assert parts["runtime"] == 100
     assert parts["processes"] == RAY_DAEMONS + 5 * (100 + RAY_ACTOR)
-    # the ranks' shards (one copy), rank 0's gathered update and the object store's
+    # the ranks' shards (one copy), rank 0's gathered copy and the update in the
+    # object store (the whole policy)
     assert parts["policy"] == 3 * 4 * n_policy
     assert parts["critic"] == 4 * n_critic
     assert parts["optimizer"] == 8 * (n_policy + trained_critic)
@@ -234,3 +235,26 @@ def test_a_ray_run_prints_its_estimate_and_refuses_what_will_not_fit(
         run.train(cfg)
     assert "runtime.rollout_workers" in str(e.value)
     assert not run_dir.exists()
+
+
+def test_ray_estimate_of_a_lora_policy_moves_its_adapted_modules(tiny_policy: Path) -> None:
+    """With LoRA on q and v an update carries their merged weights only: the object
+    store and each worker hold those, not a whole policy."""
+    from sao.app.memory import estimate_ray_peak
+    from sao.app.parts import model_shells
+
+    cfg = _ray_cfg(tiny_policy, "model.lora.rank=4", "model.lora.target_modules=[q_proj,v_proj]")
+    policy, critic = model_shells(cfg)
+    est = estimate_ray_peak(cfg, policy, critic, prompt_tokens=12, runtime=100)
+    plain = load_config(overrides=[f"model.path={tiny_policy}"])
+    base = {id(x): x for x in model_shells(plain)[0].parameters()}.values()
+    n_base = sum(x.numel() for x in base)
+    c = policy.config
+    head_dim = c.hidden_size // c.num_attention_heads
+    q = c.hidden_size * c.num_attention_heads * head_dim
+    v = c.hidden_size * c.num_key_value_heads * head_dim
+    update = 4 * c.num_hidden_layers * (q + v)
+    n_policy = sum(x.numel() for x in {id(x): x for x in policy.parameters()}.values())
+    assert n_policy > n_base  # the adapters on top of the base
+    assert est.parts["policy"] == 2 * 4 * n_policy + update
+    assert est.parts["engine"] == 3 * (4 * n_base + update)  # each engine: a plain copy
