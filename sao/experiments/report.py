@@ -35,11 +35,13 @@ from sao.experiments.claims import Outcome, claims_md
 from sao.experiments.earlier import RUNS_FILE, carried_md, earlier_runs, write_runs
 from sao.experiments.grid import Experiment
 from sao.experiments.results import (
+    GAIN,
     Paired,
     RunResult,
     Stats,
     aggregate,
     collapse_step,
+    minutes_to_gain,
     t_critical,
 )
 from sao.experiments.switches import STYLE_PREFIX, recovery_md, write_style_plot
@@ -116,6 +118,11 @@ def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> Ru
     rewards = curve("train/reward_mean")
     curves = {
         "eval/success": evals,
+        "eval/wall_s": [  # (the run's wall clock at each evaluation, resumes continued)
+            (int(r["step"]) - warmup, float(r["wall_s"]))
+            for r in history
+            if "eval/success" in r and "wall_s" in r
+        ],
         "train/reward_mean": trailing_mean(rewards, REWARD_WINDOW),
         "train/reward": rewards,
     }
@@ -300,7 +307,10 @@ def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
         "[95% t-interval of the mean]. Held-out success: greedy episodes of the eval split; "
         f"final train reward: mean over the last {REWARD_WINDOW} steps (sampled); collapsed: "
         "runs whose held-out success fell below half its initial value at an eval and "
-        "stayed there (step = first such eval, in actor steps)"
+        "stayed there (step = first such eval, in actor steps); min to +"
+        f"{GAIN * 100:.0f} points: wall minutes to the first held-out evaluation that "
+        "many points above the initial one, mean over the runs that reached it (how many "
+        "did)"
         + (
             f"; only evals before the first switch (step {min(exp.marks)}) count."
             if exp.marks
@@ -308,8 +318,9 @@ def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
         ),
         "",
         "| arm | seeds | initial held-out | final held-out | best held-out "
-        "| final train reward | collapsed | staleness (mean) | wall min (mean) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| final train reward | collapsed | staleness (mean) | wall min (mean) "
+        f"| min to +{GAIN * 100:.0f} points |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for arm in exp.arms:
         rs = [r for r in runs if r.arm == arm]
@@ -324,9 +335,20 @@ def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
             f"| {Stats.of([r.final_success for r in rs]).cell()} "
             f"| {Stats.of([r.best_success for r in rs]).cell()} "
             f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} | {_staleness(rs)} "
-            f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} |"
+            f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} | {_to_gain(rs)} |"
         )
     return out
+
+
+def _to_gain(runs: Sequence[RunResult]) -> str:
+    """Mean wall minutes to +GAIN held-out over the runs that got there, and how
+    many did ("n/a" where no run logged its evaluations' times)."""
+    timed = [r for r in runs if r.curves.get("eval/wall_s")]
+    if not timed:
+        return "n/a"
+    got = [m for r in timed if (m := minutes_to_gain(r)) is not None]
+    mean = f"{sum(got) / len(got):.1f} " if got else ""
+    return f"{mean}({len(got)}/{len(timed)})"
 
 
 def _staleness(runs: Sequence[RunResult]) -> str:

@@ -144,6 +144,22 @@ def collapse_step(evals: Sequence[tuple[int, float]], until: int | None = None) 
     return found
 
 
+GAIN = 0.20
+"""The held-out gain whose wall time the report gives per arm (+20 points)."""
+
+
+def minutes_to_gain(run: RunResult, gain: float = GAIN) -> float | None:
+    """Wall minutes from the run's start to its first held-out evaluation at least
+    ``gain`` above its initial one; None where none was, or the run logged no
+    evaluation times (runs carried as numbers only)."""
+    evals = run.curves.get("eval/success", [])
+    wall = dict(run.curves.get("eval/wall_s", []))
+    if not evals or not wall:
+        return None
+    target = evals[0][1] + gain - 1e-9
+    return next((wall[s] / 60 for s, v in evals[1:] if v >= target and s in wall), None)
+
+
 @dataclass(frozen=True)
 class RunResult:
     """One finished run: its headline numbers and its curves against actor step

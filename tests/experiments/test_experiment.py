@@ -108,6 +108,28 @@ def test_collapse_step_is_the_start_of_the_last_stretch_below_half() -> None:
     assert collapse_step(evals, until=35) == 30  # 30 is before the switch: kept
 
 
+def test_minutes_to_gain_reads_the_first_evaluation_20_points_up() -> None:
+    from sao.experiments.report import _to_gain
+    from sao.experiments.results import minutes_to_gain
+
+    def run(evals: list[tuple[int, float]], wall: list[tuple[int, float]]) -> RunResult:
+        curves = {"eval/success": evals, "eval/wall_s": wall}
+        first, last = evals[0][1], evals[-1][1]
+        return RunResult("sao", 0, 30, 16, 4, first, last, 0.7, 0.5, None, 1.0, curves)
+
+    wall = [(-4, 0.0), (6, 300.0), (16, 660.0), (26, 1020.0)]
+    # initial 0.25: +0.20 is 0.45; 0.44 at step 6 is short, 0.45 at step 16 reaches it
+    reached = run([(-4, 0.25), (6, 0.44), (16, 0.45), (26, 0.60)], wall)
+    assert minutes_to_gain(reached) == 11.0  # 660 s
+    never = run([(-4, 0.25), (6, 0.40), (16, 0.30), (26, 0.44)], wall)
+    assert minutes_to_gain(never) is None
+    assert minutes_to_gain(run([(-4, 0.25), (6, 0.9)], [])) is None  # no times logged
+    early = run([(-4, 0.1), (6, 0.5), (16, 0.2), (26, 0.2)], wall)  # 5 min, then lost
+    # the arm's cell: the mean over the runs that got there (11 and 5), 2 of 3 did
+    assert _to_gain([reached, never, early]) == "8.0 (2/3)"
+    assert _to_gain([run([(-4, 0.25)], [])]) == "n/a"
+
+
 def test_trailing_mean() -> None:
     pts = [(0, 1.0), (1, 3.0), (2, 5.0), (3, 7.0)]
     # window 2: 1, (1+3)/2, (3+5)/2, (5+7)/2
