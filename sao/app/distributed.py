@@ -12,9 +12,8 @@ import torch
 from sao.app.engines import (
     configured_servers,
     connect_servers,
-    context_window,
+    embedded_engine,
     model_device_type,
-    weight_dtypes,
 )
 from sao.app.parts import (
     build_limits,
@@ -29,7 +28,6 @@ from sao.config import Config
 from sao.distributed.builders import RankParts, RayBuilders
 from sao.envs.base import Task
 from sao.models.loading import load_config, load_policy, load_tokenizer, resolve_dtype
-from sao.rollout.embedded.engine import TorchEngine
 from sao.rollout.engine import Engine
 from sao.runtime.runner import LocalRunner
 from sao.train.sharded import init_trainer_group
@@ -50,18 +48,9 @@ async def build_rollout_worker(
     engine: Engine
     if r.engine == "torch":
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        # model.dtype and rollout.engine_dtype, as a local run's engine takes them
+        # in the dtypes a local run's engine takes (model.dtype, rollout.engine_dtype)
         policy = load_policy(model_dir, dtype=resolve_dtype(cfg.model.dtype, device))
-        engine = TorchEngine(
-            policy,
-            max_batch_size=r.max_batch_size,
-            max_seq_len=context_window(policy, r.max_total_tokens),
-            tokenizer=tokenizer,
-            version=version,
-            device=device,
-            dtype=weight_dtypes(cfg, policy)[1],
-            recompute_kv_on_update=r.recompute_kv_on_update,
-        )
+        engine = embedded_engine(cfg, policy, tokenizer, version, device)
     else:
         engine = await connect_servers(
             cfg, servers, version, Path(model_dir), load_config(model_dir)

