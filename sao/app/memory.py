@@ -195,10 +195,13 @@ RAY_DAEMONS = 0.6 * GIB
 """Resident memory of a local Ray cluster's own processes (GCS server, raylet,
 dashboard, its agents and helpers): 0.56 GiB measured beside a run on a
 2-core machine (BENCHMARKS.md, "A Ray run's memory")."""
-RAY_ACTOR = 0.25 * GIB
-"""What a Ray actor process (a rollout worker, a trainer rank) holds beyond the
-driver's own runtime before models: Ray's core worker, its threads, gloo's
-process group: 0.22-0.32 GiB measured (the same section)."""
+RAY_ACTOR = 0.5 * GIB
+"""A Ray actor process's runtime before its models (a rollout worker, a trainer
+rank): Python, torch, transformers, sao, Ray's core worker and its threads, gloo:
+0.40 GiB measured for an actor that only imported them, 0.53-0.62 GiB for a
+worker and a rank holding a 1M-parameter model (the same section). A constant,
+not the driver's runtime: a driver may hold what its actors never load (a test
+runner, a notebook)."""
 
 
 def estimate_ray_peak(
@@ -211,16 +214,15 @@ def estimate_ray_peak(
     """The expected peak host memory of a run with ``runtime.backend = "ray"`` on a
     cluster started on this machine, summed over its processes: the driver
     (``runtime``, its figure before models) and Ray's own (``processes``:
-    :data:`RAY_DAEMONS`, and each actor's runtime, the driver's plus
-    :data:`RAY_ACTOR`); the trainer ranks' model shards, which add up to one copy
-    of each model, its optimizer state and gradients (both models' at once when
-    the critic has ranks of its own), and each rank's micro-batch of
-    ``train.batch_size / ranks`` rows; rank 0's gathered copy of the policy and
-    the update in the object store (the policy, or a LoRA policy's merged adapted
-    modules); and each rollout worker's engine copy, the update it deserialises,
-    and its KV cache.
-    ``policy`` and ``critic``: the models as the ranks build them, on the "meta"
-    device (shapes only)."""
+    :data:`RAY_DAEMONS`, and :data:`RAY_ACTOR` for each actor's runtime); the
+    trainer ranks' model shards, which add up to one copy of each model, its
+    optimizer state and gradients (both models' at once when the critic has ranks
+    of its own), and each rank's micro-batch of ``train.batch_size / ranks`` rows;
+    rank 0's gathered copy of the policy and the update in the object store (the
+    policy, or a LoRA policy's merged adapted modules); and each rollout worker's
+    engine copy, the update it deserialises, and its KV cache. ``policy`` and
+    ``critic``: the models as the ranks build them, on the "meta" device (shapes
+    only)."""
     rt = cfg.runtime
     share = rt.trainer_ranks == 1 and rt.critic_ranks == 0  # (one process: a shared trunk)
     policy_bytes, policy_trained = _bytes(policy.parameters())
@@ -235,7 +237,7 @@ def estimate_ray_peak(
     update = _update_bytes(policy, policy_bytes)
     parts: dict[str, float] = {
         "runtime": runtime,
-        "processes": RAY_DAEMONS + actors * (runtime + RAY_ACTOR),
+        "processes": RAY_DAEMONS + actors * RAY_ACTOR,
         "policy": 2 * policy_bytes + update,  # shards, rank 0's gathered copy, the update
         "critic": critic_bytes,
         "optimizer": (8 + master) * (policy_trained + critic_trained),

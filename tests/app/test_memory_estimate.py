@@ -182,7 +182,7 @@ def test_ray_estimate_by_process(tiny_policy: Path) -> None:
     parts = est.parts
     assert est.processes == 6
     assert parts["runtime"] == 100
-    assert parts["processes"] == RAY_DAEMONS + 5 * (100 + RAY_ACTOR)
+    assert parts["processes"] == RAY_DAEMONS + 5 * RAY_ACTOR  # 3 workers, 2 ranks
     # the ranks' shards (one copy), rank 0's gathered copy and the update in the
     # object store (the whole policy)
     assert parts["policy"] == 3 * 4 * n_policy
