@@ -41,7 +41,7 @@ from sao.experiments.results import (
     Stats,
     aggregate,
     collapse_step,
-    minutes_to_gain,
+    gain_cell,
     t_critical,
 )
 from sao.experiments.switches import STYLE_PREFIX, recovery_md, write_style_plot
@@ -335,20 +335,9 @@ def _arms_table(exp: Experiment, runs: Sequence[RunResult]) -> list[str]:
             f"| {Stats.of([r.final_success for r in rs]).cell()} "
             f"| {Stats.of([r.best_success for r in rs]).cell()} "
             f"| {Stats.of([r.final_reward for r in rs]).cell()} | {col} | {_staleness(rs)} "
-            f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} | {_to_gain(rs)} |"
+            f"| {Stats.of([r.wall_s / 60 for r in rs]).mean:.1f} | {gain_cell(rs)} |"
         )
     return out
-
-
-def _to_gain(runs: Sequence[RunResult]) -> str:
-    """Mean wall minutes to +GAIN held-out over the runs that got there, and how
-    many did ("n/a" where no run logged its evaluations' times)."""
-    timed = [r for r in runs if r.curves.get("eval/wall_s")]
-    if not timed:
-        return "n/a"
-    got = [m for r in timed if (m := minutes_to_gain(r)) is not None]
-    mean = f"{sum(got) / len(got):.1f} " if got else ""
-    return f"{mean}({len(got)}/{len(timed)})"
 
 
 def _staleness(runs: Sequence[RunResult]) -> str:

@@ -233,3 +233,14 @@ def aggregate(
         [min(by_step[s]) for s in steps],
         [max(by_step[s]) for s in steps],
     )
+
+
+def gain_cell(runs: Sequence[RunResult]) -> str:
+    """The report's cell: mean wall minutes to +GAIN held-out over the runs that got there, and how
+    many did ("n/a" where no run logged its evaluations' times)."""
+    timed = [r for r in runs if r.curves.get("eval/wall_s")]
+    if not timed:
+        return "n/a"
+    got = [m for r in timed if (m := minutes_to_gain(r)) is not None]
+    mean = f"{sum(got) / len(got):.1f} " if got else ""
+    return f"{mean}({len(got)}/{len(timed)})"

@@ -109,7 +109,7 @@ def test_collapse_step_is_the_start_of_the_last_stretch_below_half() -> None:
 
 
 def test_minutes_to_gain_reads_the_first_evaluation_20_points_up() -> None:
-    from sao.experiments.report import _to_gain
+    from sao.experiments.results import gain_cell as _to_gain
     from sao.experiments.results import minutes_to_gain
 
     def run(evals: list[tuple[int, float]], wall: list[tuple[int, float]]) -> RunResult:
