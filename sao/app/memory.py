@@ -220,7 +220,8 @@ def estimate_ray_peak(
     of its own), and each rank's micro-batch of ``train.batch_size / ranks`` rows;
     rank 0's gathered copy of the policy and the update in the object store (the
     policy, or a LoRA policy's merged adapted modules); and each rollout worker's
-    engine copy, the update it deserialises, and its KV cache. ``policy`` and
+    engine copy and KV cache (a worker maps the update from the object store
+    without copying it: :mod:`sao.distributed.shared`). ``policy`` and
     ``critic``: the models as the ranks build them, on the "meta" device (shapes
     only)."""
     rt = cfg.runtime
@@ -248,7 +249,7 @@ def estimate_ray_peak(
     if cfg.rollout.engine == "torch":
         plain = _plain_bytes(policy, policy_bytes, policy_trained)
         engine, kv = _engine_bytes(cfg, policy, plain, context)
-        parts["engine"] = rt.rollout_workers * (engine + update)
+        parts["engine"] = rt.rollout_workers * engine
         parts["kv_cache"] = rt.rollout_workers * kv
     episode = longest_episode(cfg, prompt_tokens, context)
     share_rows = math.ceil(cfg.train.batch_size / rt.trainer_ranks)

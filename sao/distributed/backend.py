@@ -40,6 +40,7 @@ import torch
 
 from sao.config import Config, ConfigError, to_dict, validate
 from sao.distributed.builders import DeviceType, RayBuilders, WorkerBuilder
+from sao.distributed.shared import from_shared, to_shared
 from sao.envs.base import Split, Task
 from sao.rollout.remote.router import NoLiveEngineError
 from sao.rollout.resume import EpisodeResume
@@ -176,12 +177,13 @@ class RolloutWorker:
         from sao.rollout.weights import DiskWeights, TensorWeights
 
         t0 = time.perf_counter()
-        if self.cfg.train.release_memory:  # freed pages (the last update's copy) back
-            give_back_freed()
         if isinstance(weights, str):
             await self.engine.update_weights(DiskWeights(Path(weights), version))
-        else:
-            await self.engine.update_weights(TensorWeights(weights, version))
+        else:  # (a SharedState is read in place from the object store)
+            await self.engine.update_weights(TensorWeights(from_shared(weights), version))
+        del weights
+        if self.cfg.train.release_memory:  # freed pages (a directory's tensors) back
+            give_back_freed()
         self.version = version
         return time.perf_counter() - t0
 
@@ -287,7 +289,7 @@ class RayRunner:
         """Send ``weights`` (an object-store reference, a state dict, put once
         in the object store, or a weight directory path) to every worker."""
         is_ref = isinstance(weights, (str, self.ray.ObjectRef))
-        ref = weights if is_ref else self.ray.put(weights)
+        ref = weights if is_ref else self.ray.put(to_shared(weights))
         self.weights, self.version = ref, version
         calls = [s.actor.update_weights.remote(ref, version) for s in self.slots]
         results = await asyncio.gather(*calls, return_exceptions=True)
@@ -433,7 +435,7 @@ async def open_ray_rollout(
             if r.engine == "torch":  # every worker resolves the same object-store copy
                 payload: Any = ref
             else:  # servers read a directory: write it once here
-                state = await ref if not isinstance(ref, dict) else ref
+                state = from_shared(ref if isinstance(ref, dict) else await ref)
                 src = await asyncio.to_thread(
                     write_weights, state, weights_dir, v, config=getattr(policy, "config", None)
                 )

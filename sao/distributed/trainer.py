@@ -31,6 +31,7 @@ import torch
 from sao.config import Config, to_dict, validate
 from sao.distributed.backend import init_ray, place
 from sao.distributed.builders import RankBuilder
+from sao.distributed.shared import SharedState, to_shared
 from sao.runtime.memory import give_back_freed
 from sao.train.groups import merge_stats
 from sao.types import SamplingParams, Trajectory
@@ -117,10 +118,15 @@ class TrainerRank:
             return None
         return _floats(actor_update(self.trainer, trajectories, advantages))
 
-    def weights(self) -> dict[str, torch.Tensor] | None:
-        """The full policy state dict on rank 0 (collective; None elsewhere); for a
-        LoRA policy, the adapted modules' merged weights only (and, for servers,
-        the siblings their fused layers need: :func:`~sao.models.lora.published_state`)."""
+    def weights(self) -> SharedState | None:
+        """The full policy state dict on rank 0 (collective; None elsewhere), as
+        arrays the workers map from the object store without copying; for a LoRA
+        policy, the adapted modules' merged weights only (and, for servers, the
+        siblings their fused layers need: :func:`~sao.models.lora.published_state`)."""
+        state = self._update()
+        return None if state is None else to_shared(state)
+
+    def _update(self) -> dict[str, torch.Tensor] | None:
         from sao.train.sharded_checkpoint import gathered_update
 
         fused = self.cfg.rollout.engine != "torch"
@@ -156,7 +162,7 @@ class TrainerRank:
     def _sendable(self) -> dict[str, torch.Tensor] | None:
         from sao.train.sharded_checkpoint import cast_floating
 
-        full = self.weights()  # float32 masters when sharded: send in the model's dtype
+        full = self._update()  # float32 masters when sharded: send in the model's dtype
         return None if full is None else cast_floating(full, self.dtype)
 
     def score(self, trajectories: list[Trajectory], sampling: SamplingParams) -> Any:

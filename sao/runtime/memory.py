@@ -4,8 +4,10 @@ and the allocator's freed memory given back.
 Readings (Linux; elsewhere they are absent):
 
 - ``memory/rss_gib``: resident memory of this process and its children now
-  (``VmRSS`` of ``/proc/PID/status``, summed over the process tree: launched
-  inference servers and sandboxes count, as they do against a machine's RAM).
+  (``VmRSS`` of ``/proc/PID/status`` for this process, summed over the process
+  tree with each child's proportional share, ``Pss``: launched inference
+  servers, Ray's processes and sandboxes count, as they do against a machine's
+  RAM, and pages several of them map, such as Ray's object store, count once).
 - ``memory/peak_gib``: the highest such sum this run has read, with this
   process's own high-water mark (``VmHWM``, which the kernel keeps between
   readings, reset when the meter starts: a process that held more before the
@@ -160,8 +162,25 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
+def _proportional_kib(pid: int) -> int:
+    """``pid``'s proportional set size (``Pss`` of ``/proc/PID/smaps_rollup``: a
+    page n processes map counts 1/n in each), or its ``VmRSS`` where that cannot
+    be read (0 when the process is gone)."""
+    try:
+        text = Path(f"/proc/{pid}/smaps_rollup").read_text()
+    except OSError:
+        return _status_kib(pid, "VmRSS")
+    for line in text.splitlines():
+        if line.startswith("Pss:"):
+            return int(line.split()[1])
+    return _status_kib(pid, "VmRSS")
+
+
 def process_tree_rss(pid: int | None = None) -> tuple[int, int]:
-    """Resident bytes of ``pid``'s descendants (not ``pid`` itself), and of ``pid``."""
+    """Resident bytes of ``pid``'s descendants (not ``pid`` itself), and of ``pid``.
+    The descendants' are their proportional shares: pages they map together
+    (Ray's object store, which rank 0 writes an update into and every rollout
+    worker maps; shared libraries) count once, not once a process."""
     root = os.getpid() if pid is None else pid
     seen, todo, total = {root}, _children(root), 0
     while todo:
@@ -169,7 +188,7 @@ def process_tree_rss(pid: int | None = None) -> tuple[int, int]:
         if p in seen:
             continue
         seen.add(p)
-        total += _status_kib(p, "VmRSS") * 1024
+        total += _proportional_kib(p) * 1024
         todo += _children(p)
     return total, _status_kib(root, "VmRSS") * 1024
 

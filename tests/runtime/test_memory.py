@@ -3,9 +3,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -47,6 +50,52 @@ def test_process_tree_counts_children() -> None:
         assert children > 200 * 2**20
     finally:
         child.kill()
+        child.wait()
+
+
+@linux
+def test_process_tree_counts_shared_pages_once(tmp_path: Path) -> None:
+    """Two processes mapping the same 200 MiB (as rollout workers map an update in
+    Ray's object store) hold 200 MiB of the machine's RAM, not 400: each one's
+    share is half (plus its own small runtime). The launcher writes the pages,
+    unmaps them, and starts the two readers; its descendants are measured."""
+    launcher = textwrap.dedent(
+        """
+        import mmap, os, subprocess, sys
+        path, size = sys.argv[1], 200 * 2**20
+        with open(path, "wb") as f:
+            f.truncate(size)
+        with open(path, "r+b") as f, mmap.mmap(f.fileno(), size) as m:
+            m.write(b"x" * size)
+        reader = sys.argv[2]
+        for p in [subprocess.Popen([sys.executable, "-c", reader, path]) for _ in range(2)]:
+            p.wait()
+        """
+    )
+    reader = textwrap.dedent(
+        """
+        import mmap, os, sys, time
+        f = open(sys.argv[1], "rb")
+        m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+        sum(m[i] for i in range(0, len(m), 4096))  # every page, mapped here
+        os.write(1, b"ready\\n")  # one write: the two readers' lines never interleave
+        time.sleep(30)
+        """
+    )
+    shared = tmp_path / "shared.bin"
+    child = subprocess.Popen(
+        [sys.executable, "-c", launcher, str(shared), reader],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert [child.stdout.readline().strip() for _ in range(2)] == ["ready", "ready"]
+        readers, _launcher = process_tree_rss(child.pid)
+        assert 200 * 2**20 < readers < 290 * 2**20  # 400+ MiB when each counted its own
+    finally:
+        os.killpg(child.pid, signal.SIGKILL)  # the readers too
         child.wait()
 
 

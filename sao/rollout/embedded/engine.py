@@ -475,8 +475,8 @@ class TorchEngine:
             while True:
                 new, updates, abort, closing = self._take_work()
                 self._sched.waiting.extend(new)
-                for update in updates:
-                    self._sched.apply_update(update)
+                while updates:  # popped: an applied update (a whole state dict) stays
+                    self._sched.apply_update(updates.pop(0))  # referenced nowhere here
                 if abort:
                     self._sched.finish_all("aborted")
                 if closing:

@@ -254,6 +254,30 @@ def test_load_weights_from_another_thread_while_running() -> None:
     )
 
 
+def test_an_applied_update_is_not_kept() -> None:
+    """The engine copies an update into its own weights and keeps no reference to
+    it: a Ray worker's update is a deserialised copy of the whole policy, which the
+    engine thread's loop variable used to hold until the next update (0.61 GiB a
+    worker for SmolLM2)."""
+    import gc
+    import weakref
+
+    new = build("llama", seed=1)
+    with TorchEngine(build("llama", seed=0), max_seq_len=16) as engine:
+        for version in (1, 2):
+            state = {k: t.detach().clone() for k, t in new.state_dict().items()}
+            refs = [weakref.ref(t) for t in state.values()]
+            engine.load_weights(state, version)
+            del state
+            gc.collect()
+            assert not [r for r in refs if r() is not None]
+        (c,) = generate_all(engine, [[1, 2]], [SamplingParams(max_new_tokens=4, seed=0)])
+    assert c.versions == (2,) * 4
+    assert torch.allclose(
+        torch.tensor(c.logprobs), reference_logp(new, [1, 2], c.token_ids, 1.0), atol=1e-4
+    )
+
+
 def test_load_weights_rejects_unknown_keys_and_shapes() -> None:
     with TorchEngine(build("llama"), max_seq_len=16) as engine:
         with pytest.raises(KeyError, match="not a weight"):
