@@ -191,17 +191,19 @@ def estimate_peak(p: Parts, prompt_tokens: int | None, runtime: int) -> MemoryEs
     return MemoryEstimate(parts, rows, episode)
 
 
-RAY_DAEMONS = 0.6 * GIB
-"""Resident memory of a local Ray cluster's own processes (GCS server, raylet,
-dashboard, its agents and helpers): 0.56 GiB measured beside a run on a
-2-core machine (BENCHMARKS.md, "A Ray run's memory")."""
-RAY_ACTOR = 0.5 * GIB
+RAY_DAEMONS = 0.4 * GIB
+"""Memory of a local Ray cluster's own processes (GCS server, raylet, dashboard,
+its agents and helpers), as the run reads them (proportional shares: libraries
+they map with the run's other processes count once): 0.37 GiB measured beside a
+run on a 2-core machine (their resident memory, each library counted in each
+process, 0.56 GiB; BENCHMARKS.md, "A Ray run's memory")."""
+RAY_ACTOR = 0.45 * GIB
 """A Ray actor process's runtime before its models (a rollout worker, a trainer
-rank): Python, torch, transformers, sao, Ray's core worker and its threads, gloo:
-0.40 GiB measured for an actor that only imported them, 0.53-0.62 GiB for a
-worker and a rank holding a 1M-parameter model (the same section). A constant,
-not the driver's runtime: a driver may hold what its actors never load (a test
-runner, a notebook)."""
+rank): Python, torch, transformers, sao, Ray's core worker and its threads, gloo,
+as a proportional share: 0.41 GiB measured for a rollout worker holding a
+1M-parameter model (its resident memory 0.54-0.55 GiB; the same section). A
+constant, not the driver's runtime: a driver may hold what its actors never load
+(a test runner, a notebook)."""
 
 
 def estimate_ray_peak(
