@@ -11,7 +11,9 @@ seed and steps; the figures are the run's own ``memory/*`` metrics
 (sao.runtime.memory: resident memory of the process tree after each step, the
 peak with the process's high-water mark, glibc's live heap) and its printed
 estimate (sao.app.memory). Step times are the trainer's (``time/train_step_s``),
-mean over the actor steps.
+mean over the actor steps. Every 5 s the run's processes are read by role
+(driver, trainer rank, rollout worker, Ray's own; each child's proportional
+share): the sample with the largest total is printed, split by process.
 
     PYTHONPATH=. python benchmarks/run_memory.py [--preset smollm2-arith-sao] [--steps 6]
 """
@@ -24,10 +26,12 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from benchmarks._bench import QUIET
 from sao.app.cpu import cpu_model
+from sao.runtime.memory import _children, _proportional_kib, _status_kib
 
 # torch's CPU allocator: blocks >= 2 MiB aligned and madvised as transparent huge pages
 # (THP_MEM_ALLOC_ENABLE=1, sao's default) or not
@@ -41,10 +45,44 @@ ARMS: dict[str, tuple[str, dict[str, str]]] = {  # --set, environment
 }
 
 
+ROLES = {"ray::TrainerRank": "trainer rank", "ray::RolloutWorker": "rollout worker"}
+
+
+def _role(pid: int, root: int) -> str:
+    """What a process of the run is: the driver, a trainer rank, a rollout worker,
+    or one of Ray's own (GCS, raylet, dashboard, agents)."""
+    if pid == root:
+        return "driver"
+    try:
+        cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return "gone"
+    return next((role for key, role in ROLES.items() if cmd.startswith(key)), "Ray's own")
+
+
+def sample_processes(root: int) -> dict[str, list[float]]:
+    """The run's processes now, by role: each one's proportional share in GiB
+    (``Pss``; the driver by its resident memory, as the run counts it)."""
+    out: dict[str, list[float]] = {}
+    seen, todo = {root}, _children(root)
+    out["driver"] = [_status_kib(root, "VmRSS") / 2**20]
+    while todo:
+        pid = todo.pop()
+        if pid in seen:
+            continue
+        seen.add(pid)
+        todo += _children(pid)
+        role = _role(pid, root)
+        if role != "gone":
+            out.setdefault(role, []).append(_proportional_kib(pid) / 2**20)
+    return out
+
+
 def run_arm(
     preset: str, steps: int, seed: int, arm: tuple[str, dict[str, str]], run_dir: Path
 ) -> dict[str, object]:
-    """One run; its metrics rows and summary."""
+    """One run; its metrics rows, summary, printed estimate and, every 5 s, its
+    processes' shares by role (the largest total seen, and that sample's split)."""
     setting, env = arm
     sets = [
         f"train.steps={steps}", f"seed={seed}", f"log.run_dir={run_dir}", setting,
@@ -54,11 +92,22 @@ def run_arm(
     for s in sets:
         cmd += ["--set", s]
     environ = os.environ | env
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True, env=environ).stdout
+    with tempfile.TemporaryFile("w+") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.DEVNULL, text=True, env=environ)
+        largest: dict[str, list[float]] = {}
+        while proc.poll() is None:
+            now = sample_processes(proc.pid)
+            if sum(map(sum, now.values())) > sum(map(sum, largest.values())):
+                largest = now
+            time.sleep(5)
+        if proc.returncode:
+            raise subprocess.CalledProcessError(proc.returncode, cmd)
+        log.seek(0)
+        out = log.read()
     rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     summary = json.loads((run_dir / "summary.json").read_text())
     estimate = next((ln for ln in out.splitlines() if ln.startswith("memory: expected")), "")
-    return {"rows": rows, "summary": summary, "estimate": estimate}
+    return {"rows": rows, "summary": summary, "estimate": estimate, "processes": largest}
 
 
 def main() -> None:
@@ -99,6 +148,13 @@ def main() -> None:
             f"{arm:>8}: peak {peak:.2f} GiB, expected {expected:.2f} (ratio "
             f"{peak / expected:.2f}); mean actor step {mean:.1f} s; run {s['wall_s']:.0f} s"
         )
+        procs: dict[str, list[float]] = res["processes"]  # type: ignore[assignment]
+        if len(procs) > 1:  # (a Ray run: the sample of the largest total, by role)
+            split = "; ".join(
+                f"{role} {' + '.join(f'{g:.2f}' for g in sorted(gibs))}"
+                for role, gibs in sorted(procs.items())
+            )
+            print(f"{'':>8}  its processes at their largest sample (GiB): {split}")
 
 
 if __name__ == "__main__":
