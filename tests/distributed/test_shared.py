@@ -49,11 +49,17 @@ def test_a_state_dict_of_tensors_passes_through() -> None:
 
 
 @pytest.mark.timeout(120)
-def test_through_the_object_store_a_worker_maps_the_update() -> None:
+def test_through_the_object_store_a_worker_maps_the_update(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """Resolved from the store, the arrays are read-only views of its shared memory
     (Ray's zero-copy path for numpy), not a private unpickled copy; an engine
     copies from them as from any tensor."""
     import ray
+
+    # as sao starts its clusters: without it, Ray turns on token authentication and
+    # writes ~/.ray/auth_token, which a cluster another test starts meanwhile then reads
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
 
     from sao.rollout.embedded.engine import TorchEngine
     from tests.rollout.embedded.test_engine import build
