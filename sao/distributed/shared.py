@@ -30,11 +30,11 @@ class SharedState:
 
 
 def to_shared(state: Mapping[str, torch.Tensor]) -> SharedState:
-    """``state`` (CPU tensors) as a :class:`SharedState`; a contiguous tensor's
-    array is a view of its memory (Ray copies it once, into the object store)."""
+    """``state`` as a :class:`SharedState`; a contiguous CPU tensor's array is a
+    view of its memory (Ray copies it once, into the object store)."""
     arrays, dtypes, shapes = {}, {}, {}
     for name, t in state.items():
-        flat = t.detach().contiguous().reshape(-1)
+        flat = t.detach().cpu().contiguous().reshape(-1)
         arrays[name] = flat.view(torch.uint8).numpy()
         dtypes[name], shapes[name] = t.dtype, tuple(t.shape)
     return SharedState(arrays, dtypes, shapes)
