@@ -99,12 +99,7 @@ async def main() -> None:
 
     policy = load_policy(model_dir, dtype=torch.float32)
     for v in range(1, args.updates + 1):
-        with torch.no_grad():  # a new version each time, as a trainer step makes
-            for t in policy.parameters():
-                t.mul_(1.0 + 1e-6)
-        ref = ray.put(update(policy, args.tensors))
-        await worker.update_weights.remote(ref, v)
-        del ref
+        await publish(ray, worker, policy, v, args.tensors)
         rows.append((f"update {v}", await worker.memory.remote()))
 
     sampling = SamplingParams(
@@ -115,21 +110,35 @@ async def main() -> None:
     ]
     await asyncio.gather(*calls)
     rows.append((f"{args.episodes} episodes", await worker.memory.remote()))
-    ref = ray.put(update(policy, args.tensors))
-    await worker.update_weights.remote(ref, args.updates + 1)
-    del ref
+    await publish(ray, worker, policy, args.updates + 1, args.tensors)
     rows.append(("update after episodes", await worker.memory.remote()))
 
     params = sum(t.numel() * t.element_size() for t in policy.state_dict().values()) / GIB
     how = "torch tensors" if args.tensors else "arrays (sao.distributed.shared)"
     print(f"{args.preset}, one worker (pid {pid}), updates of {params:.2f} GiB as {how}")
     print(f"(GiB) {cpu_model()}")
+    print_table(rows)
+    ray.shutdown()
+
+
+async def publish(ray: Any, worker: Any, policy: Any, version: int, tensors: bool) -> None:
+    """A new version of ``policy`` (every weight moved, as a trainer step moves
+    them) put in the object store and applied by ``worker``."""
+    import torch
+
+    with torch.no_grad():
+        for t in policy.parameters():
+            t.mul_(1.0 + 1e-6)
+    ref = ray.put(update(policy, tensors))
+    await worker.update_weights.remote(ref, version)
+
+
+def print_table(rows: list[tuple[str, dict[str, float]]]) -> None:
     cols = (*FIELDS, *STATUS, "heap_live")
     print("| stage | " + " | ".join(cols) + " |")
     print("|---" * (len(cols) + 1) + "|")
     for name, m in rows:
         print(f"| {name} | " + " | ".join(f"{m.get(c, 0):.2f}" for c in cols) + " |")
-    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from benchmarks._bench import QUIET
 from sao.app.cpu import cpu_model
-from sao.runtime.memory import _children, _proportional_kib, _status_kib
+from sao.runtime.memory import descendants, proportional_bytes, resident_bytes
 
 # torch's CPU allocator: blocks >= 2 MiB aligned and madvised as transparent huge pages
 # (THP_MEM_ALLOC_ENABLE=1, sao's default) or not
@@ -63,18 +63,11 @@ def _role(pid: int, root: int) -> str:
 def sample_processes(root: int) -> dict[str, list[float]]:
     """The run's processes now, by role: each one's proportional share in GiB
     (``Pss``; the driver by its resident memory, as the run counts it)."""
-    out: dict[str, list[float]] = {}
-    seen, todo = {root}, _children(root)
-    out["driver"] = [_status_kib(root, "VmRSS") / 2**20]
-    while todo:
-        pid = todo.pop()
-        if pid in seen:
-            continue
-        seen.add(pid)
-        todo += _children(pid)
+    out: dict[str, list[float]] = {"driver": [resident_bytes(root) / 2**30]}
+    for pid in descendants(root):
         role = _role(pid, root)
         if role != "gone":
-            out.setdefault(role, []).append(_proportional_kib(pid) / 2**20)
+            out.setdefault(role, []).append(proportional_bytes(pid) / 2**30)
     return out
 
 

@@ -162,18 +162,36 @@ def _children(pid: int) -> list[int]:
     return kids
 
 
-def _proportional_kib(pid: int) -> int:
+def resident_bytes(pid: int | str) -> int:
+    """``pid``'s resident memory (``VmRSS``; 0 when the process is gone)."""
+    return _status_kib(pid, "VmRSS") * 1024
+
+
+def proportional_bytes(pid: int) -> int:
     """``pid``'s proportional set size (``Pss`` of ``/proc/PID/smaps_rollup``: a
     page n processes map counts 1/n in each), or its ``VmRSS`` where that cannot
     be read (0 when the process is gone)."""
     try:
         text = Path(f"/proc/{pid}/smaps_rollup").read_text()
     except OSError:
-        return _status_kib(pid, "VmRSS")
+        return resident_bytes(pid)
     for line in text.splitlines():
         if line.startswith("Pss:"):
-            return int(line.split()[1])
-    return _status_kib(pid, "VmRSS")
+            return int(line.split()[1]) * 1024
+    return resident_bytes(pid)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (children, theirs, and so on)."""
+    seen, todo, out = {pid}, _children(pid), []
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        out.append(p)
+        todo += _children(p)
+    return out
 
 
 def process_tree_rss(pid: int | None = None) -> tuple[int, int]:
@@ -182,15 +200,7 @@ def process_tree_rss(pid: int | None = None) -> tuple[int, int]:
     (Ray's object store, which rank 0 writes an update into and every rollout
     worker maps; shared libraries) count once, not once a process."""
     root = os.getpid() if pid is None else pid
-    seen, todo, total = {root}, _children(root), 0
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        total += _proportional_kib(p) * 1024
-        todo += _children(p)
-    return total, _status_kib(root, "VmRSS") * 1024
+    return sum(proportional_bytes(p) for p in descendants(root)), resident_bytes(root)
 
 
 def _reset_high_water_mark() -> bool:
