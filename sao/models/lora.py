@@ -376,10 +376,11 @@ def load_adapter(
                 f"the adapter in {str(d)!r} has {key}={getattr(saved, key)}, the configured "
                 f"LoRA has {getattr(ours, key)}"
             )
-    if set(saved.target_modules) != set(ours.target_modules):
+    theirs, mine = _targets(saved.target_modules), _targets(ours.target_modules)
+    if theirs != mine:
         raise ValueError(
             f"the adapter in {str(d)!r} adapts other modules than the configured LoRA "
-            f"({len(saved.target_modules)} against {len(ours.target_modules)})"
+            f"({sorted(theirs)} against {sorted(mine)})"
         )
     state = {k.removeprefix(PEFT_PREFIX): v for k, v in load_file(str(d / ADAPTER_WEIGHTS)).items()}
     result: Any = set_peft_model_state_dict(model, state, ADAPTER)
@@ -391,6 +392,13 @@ def load_adapter(
         with torch.no_grad():
             for name, t in load_file(str(d / TRAINED_BASE)).items():
                 params[name].copy_(t)
+
+
+def _targets(modules: list[str] | set[str] | str | None) -> set[str]:
+    """A LoRA config's target modules as a set (peft keeps a list, a set or one regex)."""
+    if modules is None:
+        return set()
+    return {modules} if isinstance(modules, str) else set(modules)
 
 
 def _same_path(a: str | os.PathLike[str], b: str | os.PathLike[str]) -> bool:
