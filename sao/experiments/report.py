@@ -103,8 +103,11 @@ def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> Ru
     """A finished run directory's :class:`RunResult` (``until``: see
     :func:`collapse_step`)."""
     cfg = validate(yaml.safe_load((run_dir / "config.yaml").read_text()))
-    warmup = cfg.algo.resolve().critic_pretrain_steps
+    most = cfg.algo.resolve().critic_pretrain_steps
     history = read_history(run_dir / "metrics.jsonl")
+    # A warm-up ended by its plateau rule gave its remaining batches to the actor.
+    ended = [int(r["step"]) for r in history if r.get("critic/pretrain_plateau") == 1]
+    warmup = min(ended[0], most) if ended else most
     summary = summarize(history)
 
     def curve(key: str) -> list[tuple[int, float]]:
@@ -139,7 +142,7 @@ def read_run(run_dir: Path, arm: str, seed: int, until: int | None = None) -> Ru
     return RunResult(
         arm=arm,
         seed=seed,
-        actor_steps=cfg.train.steps,
+        actor_steps=cfg.train.steps + most - warmup,
         batch_size=cfg.train.batch_size,
         warmup_steps=warmup,
         initial_success=summary["eval/success_first"],

@@ -368,3 +368,43 @@ def test_tiny_grid_runs_resumes_and_rebuilds_its_report(
     md = (fresh / "results.md").read_text()
     assert "Carried from another copy of this experiment (earlier.jsonl; no run directory " in md
     assert "| `sao` - `grpo` | 2 |" in md
+
+
+def test_a_warm_up_ended_by_its_plateau_rule_counts_the_batches_it_took(tmp_path: Path) -> None:
+    import yaml
+
+    from sao.config import validate
+    from sao.experiments.report import read_run
+
+    # At most 5 warm-up batches and 3 actor steps (8 batches); the rule ended the
+    # warm-up at batch 2, so the actor took 6 steps, and an evaluation at batch 4 is
+    # actor step 2 (not -1, as the configured 5 would place it).
+    cfg = validate(
+        {
+            "algo": {"preset": "sao", "critic_pretrain_steps": 5, "critic_pretrain_patience": 2},
+            "train": {"steps": 3},
+        }
+    )
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg.model_dump(mode="json")))
+    rows: list[dict[str, float]] = [{"step": 0, "eval/success": 0.25}]
+    rows += [
+        {"step": 1, "critic/pretrain_plateau": 0.0},
+        {"step": 2, "critic/pretrain_plateau": 1.0},
+    ]
+    rows += [{"step": s, "actor/loss": 0.1, "train/reward_mean": 0.5} for s in range(3, 9)]
+    rows[4]["eval/success"] = 0.5  # step 4
+    rows.append({"step": 8, "eval/success": 0.75, "wall_s": 10.0})
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run = read_run(tmp_path, "sao_pretrain", 0)
+    assert (run.warmup_steps, run.actor_steps) == (2, 6)
+    assert run.trajectories == 8 * cfg.train.batch_size  # the configured total
+    assert run.curves["eval/success"] == [(-2, 0.25), (2, 0.5), (6, 0.75)]
+    # without the rule's mark (it never fired), the configured most
+    (tmp_path / "metrics.jsonl").write_text(
+        "".join(
+            json.dumps({k: v for k, v in r.items() if k != "critic/pretrain_plateau"}) + "\n"
+            for r in rows
+        )
+    )
+    fixed = read_run(tmp_path, "sao_pretrain", 0)
+    assert (fixed.warmup_steps, fixed.actor_steps) == (5, 3)
